@@ -1,0 +1,205 @@
+"""KDA ops with FLA 0.6.0's exact signatures.
+
+Each call validates as FLA does (same exceptions, same messages), decides kernel or FLA
+(`fla_cula.routing`), and runs one of them. The FLA functions called on a fallback are the
+originals captured when this module was first imported, so patching never loops back here.
+
+- chunk_kda:               no kernel yet -> FLA ("no kernel for this op yet").
+- fused_recurrent_kda:     decode kernel (fla_cula.kernels.kda_decode) where it applies.
+- fused_recurrent_kda_fwd: the serving entry point (state pools, indices); same kernel.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from fla.ops.kda import chunk as _fla_chunk
+from fla.ops.kda import fused_recurrent as _fla_fr
+
+from fla_cula import routing
+
+# FLA's originals (dispatch wrappers included), captured before any patching.
+FLA_CHUNK_KDA = _fla_chunk.chunk_kda
+FLA_FUSED_RECURRENT_KDA = _fla_fr.fused_recurrent_kda
+FLA_FUSED_RECURRENT_KDA_FWD = _fla_fr.fused_recurrent_kda_fwd
+
+_kernel = None
+
+
+def _decode_kernel():
+    """The decode kernel module, imported on first use (it imports CuTe DSL)."""
+    global _kernel
+    if _kernel is None:
+        from fla_cula.kernels import kda_decode
+        _kernel = kda_decode
+    return _kernel
+
+
+def _kernel_module_reason() -> str | None:
+    try:
+        _decode_kernel()
+    except ImportError as e:
+        return f"decode kernel unavailable ({e})"
+    return None
+
+
+def _pop_transpose_state_layout(kwargs: dict, state_v_first: bool) -> bool:
+    """FLA's handling of the deprecated alias, with FLA's messages."""
+    if "transpose_state_layout" in kwargs:
+        if state_v_first:
+            raise ValueError("Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`.")
+        warnings.warn(
+            "`transpose_state_layout` is deprecated and renamed to `state_v_first`.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        state_v_first = kwargs.pop("transpose_state_layout")
+    return state_v_first
+
+
+def _check_varlen(q: torch.Tensor, initial_state, cu_seqlens, sep: str = "") -> None:
+    """FLA's varlen argument checks with FLA's messages (lightning's has a space after the period: sep=" ")."""
+    if cu_seqlens is not None:
+        if q.shape[0] != 1:
+            raise ValueError(
+                f"The batch size is expected to be 1 rather than {q.shape[0]} when using `cu_seqlens`.{sep}"
+                f"Please flatten variable-length inputs before processing.",
+            )
+        if initial_state is not None and initial_state.shape[0] != len(cu_seqlens) - 1:
+            raise ValueError(
+                f"The number of initial states is expected to be equal to the number of input sequences, "
+                f"i.e., {len(cu_seqlens) - 1} rather than {initial_state.shape[0]}.",
+            )
+
+
+@torch.compiler.disable
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    cu_seqlens_cpu: torch.LongTensor | None = None,
+    cp_context=None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
+    **kwargs,
+):
+    """FLA's chunk_kda (prefill/training). No fla_cula kernel yet: always FLA, with the reason."""
+    args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
+            disable_recompute, return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu,
+            cp_context, use_graph, max_num_seqs)
+    if not routing.in_fallback():
+        reason = routing.common_reason(q, k, v, g, beta, initial_state) or routing.NO_KERNEL_YET
+        routing.record_fallback("chunk_kda", reason)
+    return routing.call_fla(FLA_CHUNK_KDA, *args, **kwargs)
+
+
+@torch.compiler.disable
+def fused_recurrent_kda_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    output_final_state: bool = False,
+    inplace_final_state: bool = True,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    ssm_state_indices: torch.Tensor | None = None,
+    num_accepted_tokens: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    out: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FLA's fused_recurrent_kda_fwd (what serving engines call), on the decode kernel when it applies."""
+    args = (q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
+            state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
+            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out)
+    if routing.in_fallback():  # FLA's own fused_recurrent_kda calling its fwd by module global
+        return routing.call_fla(FLA_FUSED_RECURRENT_KDA_FWD, *args, **kwargs)
+    op = "fused_recurrent_kda_fwd"
+    if scale is None:
+        scale = k.shape[-1] ** -0.5
+    reason = routing.common_reason(q, k, v, g, beta, initial_state, out) or _kernel_module_reason()
+    if reason is None:
+        kargs = args[:8] + (scale,) + args[9:]
+        reason = _decode_kernel().check(*kargs)
+        if reason is None:
+            routing.record_kernel(op)
+            return _kernel.run(*kargs)
+    routing.record_fallback(op, reason)
+    return routing.call_fla(FLA_FUSED_RECURRENT_KDA_FWD, *args, **kwargs)
+
+
+@torch.compiler.disable
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.LongTensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FLA's fused_recurrent_kda (inference recurrence, no autograd), on the decode kernel when it applies."""
+    if routing.in_fallback():
+        return routing.call_fla(
+            FLA_FUSED_RECURRENT_KDA, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+            use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+            lower_bound, state_v_first, cu_seqlens, **kwargs)
+    op = "fused_recurrent_kda"
+    state_v_first = _pop_transpose_state_layout(kwargs, state_v_first)
+    _check_varlen(q, initial_state, cu_seqlens)
+    if scale is None:
+        scale = k.shape[-1] ** -0.5
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
+    reason = routing.common_reason(q, k, v, g, beta, initial_state) or _kernel_module_reason()
+    if reason is None:
+        kargs = (q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, False,
+                 state_v_first, cu_seqlens, None, None, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                 use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, None)
+        reason = _decode_kernel().check(*kargs)
+        if reason is None:
+            routing.record_kernel(op)
+            return _kernel.run(*kargs)
+    routing.record_fallback(op, reason)
+    return routing.call_fla(
+        FLA_FUSED_RECURRENT_KDA, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
+        state_v_first, cu_seqlens, **kwargs)

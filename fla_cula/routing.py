@@ -1,0 +1,140 @@
+"""Routing: every public op decides kernel or FLA, and says why.
+
+A decision is a reason string: ``None`` means "run our kernel", anything else names why the call
+goes to FLA ("no CUDA device", "head dim 64: kernel supports 128", ...). Each distinct
+(op, reason) is logged once on the ``fla_cula`` logger; :func:`status` counts every call.
+
+Environment toggles are read at call time (cheap ``os.environ`` lookups):
+  FLA_CULA=0         every call goes to FLA, even when patched.
+  FLA_CULA_STRICT=1  a fallback raises :class:`FallbackError` with its reason instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("fla_cula")
+
+KERNEL = "kernel"
+NO_KERNEL_YET = "no kernel for this op yet"
+
+
+class FallbackError(RuntimeError):
+    """Raised instead of falling back to FLA when FLA_CULA_STRICT=1."""
+
+
+def enabled() -> bool:
+    return os.environ.get("FLA_CULA", "1") != "0"
+
+
+def strict() -> bool:
+    return os.environ.get("FLA_CULA_STRICT", "0") not in ("0", "")
+
+
+# ---------------------------------------------------------------------------------------------
+# accounting
+_lock = threading.Lock()
+_counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+_logged: set[tuple[str, str]] = set()
+_tls = threading.local()
+
+
+def _record(op: str, route: str) -> None:
+    with _lock:
+        _counts[op][route] += 1
+    _tls.last = (op, route)
+
+
+def record_kernel(op: str) -> None:
+    _record(op, KERNEL)
+
+
+def record_fallback(op: str, reason: str) -> None:
+    """Count a fallback, log its reason once, or raise in strict mode."""
+    if strict():
+        raise FallbackError(f"fla_cula.{op}: would fall back to FLA: {reason} (FLA_CULA_STRICT=1)")
+    key = (op, reason)
+    if key not in _logged:
+        _logged.add(key)
+        logger.info("fla_cula.%s -> FLA: %s", op, reason)
+    _record(op, "fallback: " + reason)
+
+
+def status() -> dict[str, dict[str, Any]]:
+    """Per op: ``{"kernel": n, "fallback": {reason: n}, "calls": n}``."""
+    out: dict[str, dict[str, Any]] = {}
+    with _lock:
+        for op, routes in sorted(_counts.items()):
+            fb = {r[len("fallback: "):]: n for r, n in routes.items() if r.startswith("fallback: ")}
+            kern = routes.get(KERNEL, 0)
+            out[op] = {"kernel": kern, "fallback": fb, "calls": kern + sum(fb.values())}
+    return out
+
+
+def reset_status() -> None:
+    with _lock:
+        _counts.clear()
+    _logged.clear()
+
+
+def last_route() -> tuple[str, str] | None:
+    """(op, route) of the most recent call on this thread; route is "kernel" or "fallback: why"."""
+    return getattr(_tls, "last", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# re-entrancy: while we run FLA's own implementation as a fallback, FLA may call back into names
+# we patched (fused_recurrent_kda -> fused_recurrent_kda_fwd, dispatch -> our backend). Those
+# inner calls must go straight to FLA without being counted twice.
+def in_fallback() -> bool:
+    return getattr(_tls, "fallback_depth", 0) > 0
+
+
+def call_fla(fn: Callable, *args, **kwargs):
+    _tls.fallback_depth = getattr(_tls, "fallback_depth", 0) + 1
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _tls.fallback_depth -= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# device checks shared by every kernel
+_cc_cache: dict[int, str | None] = {}
+
+
+def _device_reason(index: int) -> str | None:
+    reason = _cc_cache.get(index, "?")
+    if reason == "?":
+        major, minor = torch.cuda.get_device_capability(index)
+        reason = None if (major, minor) == (9, 0) else f"compute capability {major}.{minor}: kernels need SM90"
+        if reason is None:
+            from fla_cula.jit import dsl_available_reason
+            reason = dsl_available_reason()
+        _cc_cache[index] = reason
+    return reason
+
+
+def common_reason(x: torch.Tensor, *tensors: torch.Tensor | None) -> str | None:
+    """Checks every kernel shares: env toggle, CUDA device, SM90, grad mode, one device."""
+    if not enabled():
+        return "FLA_CULA=0"
+    if x.device.type != "cuda":
+        return "no CUDA device" if not torch.cuda.is_available() else f"tensors on {x.device.type}, not CUDA"
+    reason = _device_reason(x.device.index)
+    if reason is not None:
+        return reason
+    dev = x.device
+    for t in tensors:
+        if t is not None and t.device != dev:
+            return f"tensors on different devices ({dev} and {t.device})"
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *tensors)):
+        return "grad enabled: forward-only kernel"
+    return None

@@ -1,0 +1,1 @@
+"""Test helpers (the pytest plugin lives in fla_cula.testing.plugin)."""

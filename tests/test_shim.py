@@ -1,0 +1,309 @@
+"""The FLA-compatible shim on the CPU: signatures, patch/unpatch, routing reasons, env toggles."""
+
+import inspect
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+import fla_cula
+from fla_cula import patching, routing
+from fla_cula.ops import kda as ops_kda
+from fla_cula.ops import lightning_attn as ops_la
+
+FLA_ORIGINALS = {
+    "chunk_kda": ops_kda.FLA_CHUNK_KDA,
+    "fused_recurrent_kda": ops_kda.FLA_FUSED_RECURRENT_KDA,
+    "fused_recurrent_kda_fwd": ops_kda.FLA_FUSED_RECURRENT_KDA_FWD,
+    "chunk_lightning_attn": ops_la.FLA_CHUNK_LIGHTNING_ATTN,
+    "fused_recurrent_lightning_attn": ops_la.FLA_FUSED_RECURRENT_LIGHTNING_ATTN,
+    "fused_recurrent_simple_gla": ops_la.FLA_FUSED_RECURRENT_SIMPLE_GLA,
+}
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch):
+    monkeypatch.delenv("FLA_CULA", raising=False)
+    monkeypatch.delenv("FLA_CULA_STRICT", raising=False)
+    fla_cula.unpatch()
+    fla_cula.reset_status()
+    yield
+    fla_cula.unpatch()
+    fla_cula.reset_status()
+
+
+def _params(fn):
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+@pytest.mark.parametrize("name", sorted(FLA_ORIGINALS))
+def test_signature_matches_fla(name):
+    """Names, order, kinds and defaults equal FLA 0.6.0's (annotations are not compared)."""
+    ours = getattr(fla_cula, name)
+    assert ours is getattr(fla_cula.ops, name)
+    assert _params(ours) == _params(FLA_ORIGINALS[name])
+
+
+def _all_fla_bindings():
+    """(module, attr) -> value for every fla.* module attribute that is an FLA original or ours."""
+    ids = {id(f) for f in FLA_ORIGINALS.values()} | {id(getattr(fla_cula, n)) for n in FLA_ORIGINALS}
+    out = {}
+    for name, mod in list(sys.modules.items()):
+        if mod is not None and (name == "fla" or name.startswith("fla.")):
+            for attr, val in list(vars(mod).items()):
+                if id(val) in ids:
+                    out[(name, attr)] = val
+    return out
+
+
+def test_patch_swaps_every_binding_and_unpatch_restores_identity():
+    patching._import_targets()
+    before = _all_fla_bindings()
+    assert before and all(v is FLA_ORIGINALS[v.__name__] for v in before.values())
+    fla_cula.patch()
+    assert fla_cula.is_patched()
+    during = _all_fla_bindings()
+    assert during.keys() == before.keys()
+    for key, val in during.items():
+        assert val is getattr(fla_cula, before[key].__name__), key
+    # the places fla-api.md lists explicitly
+    import fla.ops
+    import fla.ops.kda
+    import fla.ops.kda.fused_recurrent
+    import fla.ops.lightning_attn
+    assert fla.ops.kda.chunk_kda is fla_cula.chunk_kda
+    assert fla.ops.chunk_kda is fla_cula.chunk_kda
+    assert fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd is fla_cula.fused_recurrent_kda_fwd
+    assert fla.ops.lightning_attn.fused_recurrent_lightning_attn is fla_cula.fused_recurrent_lightning_attn
+    fla_cula.unpatch()
+    assert not fla_cula.is_patched()
+    after = _all_fla_bindings()
+    assert after.keys() == before.keys()
+    assert all(after[k] is before[k] for k in before)
+
+
+def test_layers_bound_when_installed():
+    pytest.importorskip("fla.layers.kda")
+    import fla.layers.kda as lk
+    with fla_cula.patched():
+        assert lk.chunk_kda is fla_cula.chunk_kda and lk.fused_recurrent_kda is fla_cula.fused_recurrent_kda
+    assert lk.chunk_kda is ops_kda.FLA_CHUNK_KDA
+
+
+def test_patch_idempotent_and_context_manager_nesting():
+    fla_cula.patch()
+    n = len(patching.swapped_bindings())
+    fla_cula.patch()
+    assert len(patching.swapped_bindings()) == n
+    with fla_cula.patched():
+        assert fla_cula.is_patched()
+    assert fla_cula.is_patched(), "patched() must leave an earlier patch() in place"
+    fla_cula.unpatch()
+    fla_cula.unpatch()
+    assert not fla_cula.is_patched()
+    with fla_cula.patched():
+        assert fla_cula.is_patched()
+    assert not fla_cula.is_patched()
+
+
+def test_patch_thread_safe():
+    errors = []
+
+    def worker(i):
+        try:
+            for _ in range(20):
+                (fla_cula.patch if i % 2 else fla_cula.unpatch)()
+        except Exception as e:  # pragma: no cover - the assertion below reports it
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    fla_cula.unpatch()
+    import fla.ops.kda
+    assert fla.ops.kda.chunk_kda is ops_kda.FLA_CHUNK_KDA
+    assert not patching._swapped and not patching._registered
+
+
+def test_backend_registered_with_fla_dispatch_and_removed():
+    import fla.backends as fb
+    reg = fb._get_operation_registry("kda")
+    assert patching.BACKEND_TYPE not in reg._backends
+    with fla_cula.patched():
+        if fb._DISPATCH_DISABLED:
+            pytest.skip("FLA_DISABLE_BACKEND_DISPATCH=1 in this environment")
+        assert patching.BACKEND_TYPE in reg._backends
+        chunk_reg = fb._function_registries[inspect.unwrap(ops_kda.FLA_CHUNK_KDA)]
+        assert chunk_reg._get_sorted_backends()[0].backend_type == patching.BACKEND_TYPE
+    assert patching.BACKEND_TYPE not in reg._backends
+    assert patching.BACKEND_TYPE not in chunk_reg._backends
+
+
+def _decode_inputs(B=1, T=3, H=2, HV=2, K=16, V=16):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, T, H, K, generator=g)
+    k = torch.randn(B, T, H, K, generator=g)
+    v = torch.randn(B, T, HV, V, generator=g)
+    gate = -torch.rand(B, T, HV, K, generator=g)
+    beta = torch.rand(B, T, HV, generator=g)
+    return q, k, v, gate, beta
+
+
+def _run_expecting_fla_cpu_failure(fn, *args, **kwargs):
+    """FLA's Triton kernels cannot run on CPU tensors: the call must reach FLA and fail there."""
+    with pytest.raises(Exception) as ei:
+        fn(*args, **kwargs)
+    assert not isinstance(ei.value, routing.FallbackError)
+
+
+def test_cpu_routes_to_fla_with_reason_and_counts(caplog):
+    caplog.set_level(logging.INFO, logger="fla_cula")
+    args = _decode_inputs()
+    for _ in range(3):
+        _run_expecting_fla_cpu_failure(fla_cula.fused_recurrent_kda, *args)
+    st = fla_cula.status()["fused_recurrent_kda"]
+    reason = "no CUDA device" if not torch.cuda.is_available() else "tensors on cpu, not CUDA"
+    assert st == {"kernel": 0, "fallback": {reason: 3}, "calls": 3}
+    assert fla_cula.last_route() == ("fused_recurrent_kda", "fallback: " + reason)
+    logged = [r for r in caplog.records if reason in r.getMessage()]
+    assert len(logged) == 1, "each reason is logged once"
+
+
+def test_env_off_reason(monkeypatch):
+    monkeypatch.setenv("FLA_CULA", "0")
+    _run_expecting_fla_cpu_failure(fla_cula.fused_recurrent_kda, *_decode_inputs())
+    assert fla_cula.status()["fused_recurrent_kda"]["fallback"] == {"FLA_CULA=0": 1}
+
+
+def test_strict_raises_with_reason(monkeypatch):
+    monkeypatch.setenv("FLA_CULA_STRICT", "1")
+    with pytest.raises(routing.FallbackError, match="no CUDA device|not CUDA"):
+        fla_cula.fused_recurrent_kda(*_decode_inputs())
+    q, k, v, _, _ = _decode_inputs()
+    with pytest.raises(routing.FallbackError, match="chunk_lightning_attn"):
+        fla_cula.chunk_lightning_attn(q, k, v, 0, 2)
+
+
+def test_patched_fla_original_counts_once():
+    """FLA's own fused_recurrent_kda (held from before patch) calls fused_recurrent_kda_fwd by
+    module global: that reaches fla_cula, which must count the call once and not loop."""
+    q, k, v, g, beta = _decode_inputs()
+    with fla_cula.patched():
+        _run_expecting_fla_cpu_failure(ops_kda.FLA_FUSED_RECURRENT_KDA, q, k, v, g, beta)
+        _run_expecting_fla_cpu_failure(fla_cula.fused_recurrent_kda, q, k, v, g, beta)
+    st = fla_cula.status()
+    assert st["fused_recurrent_kda_fwd"]["calls"] == 1  # from FLA's original
+    assert st["fused_recurrent_kda"]["calls"] == 1  # ours; its FLA fallback is not counted again
+
+
+def test_dispatch_reaches_fla_cula_for_captured_functions():
+    import fla.backends as fb
+    if fb._DISPATCH_DISABLED:
+        pytest.skip("FLA_DISABLE_BACKEND_DISPATCH=1")
+    q, k, v, g, beta = _decode_inputs()
+    with fla_cula.patched():
+        _run_expecting_fla_cpu_failure(ops_kda.FLA_CHUNK_KDA, q, k, v, g, beta)
+        _run_expecting_fla_cpu_failure(ops_kda.FLA_FUSED_RECURRENT_KDA_FWD, q, k, v, g, beta,
+                                       initial_state=torch.zeros(1, 2, 16, 16))
+    st = fla_cula.status()
+    assert st["chunk_kda"]["calls"] == 1 and st["fused_recurrent_kda_fwd"]["calls"] == 1
+
+
+def _fla_error(fn, *args, **kwargs):
+    with pytest.raises(Exception) as ei:
+        fn(*args, **kwargs)
+    return type(ei.value), str(ei.value)
+
+
+@pytest.mark.parametrize("case", ["varlen_batch", "varlen_state_count", "neg_eigval"])
+def test_same_errors_as_fla(case):
+    q, k, v, g, beta = _decode_inputs(B=2)
+    kw = {}
+    if case == "varlen_batch":
+        kw = {"cu_seqlens": torch.tensor([0, 3, 6])}
+    elif case == "varlen_state_count":
+        q, k, v, g, beta = _decode_inputs(B=1, T=6)
+        kw = {"cu_seqlens": torch.tensor([0, 3, 6]), "initial_state": torch.zeros(3, 2, 16, 16)}
+    else:
+        kw = {"allow_neg_eigval": True}
+    assert _fla_error(fla_cula.fused_recurrent_kda, q, k, v, g, beta, **kw) == \
+        _fla_error(ops_kda.FLA_FUSED_RECURRENT_KDA, q, k, v, g, beta, **kw)
+    if case.startswith("varlen"):
+        assert _fla_error(fla_cula.fused_recurrent_lightning_attn, q, k, v, 1, 4, initial_state=kw.get(
+            "initial_state"), cu_seqlens=kw["cu_seqlens"]) == _fla_error(
+            ops_la.FLA_FUSED_RECURRENT_LIGHTNING_ATTN, q, k, v, 1, 4, initial_state=kw.get("initial_state"),
+            cu_seqlens=kw["cu_seqlens"])
+
+
+def test_transpose_state_layout_alias_warns_like_fla():
+    q, k, v, g, beta = _decode_inputs()
+    with pytest.warns(DeprecationWarning, match="transpose_state_layout"):
+        _run_expecting_fla_cpu_failure(fla_cula.fused_recurrent_kda, q, k, v, g, beta,
+                                       transpose_state_layout=True)
+    with pytest.raises(ValueError, match="Cannot pass both"):
+        fla_cula.fused_recurrent_kda(q, k, v, g, beta, state_v_first=True, transpose_state_layout=True)
+
+
+def test_simple_gla_gate_reason():
+    q, k, v, _, _ = _decode_inputs()
+    _run_expecting_fla_cpu_failure(fla_cula.fused_recurrent_simple_gla, q, k, v, g=-torch.rand(1, 3, 2))
+    assert "per-token gate g" in next(iter(fla_cula.status()["fused_recurrent_simple_gla"]["fallback"]))
+
+
+def _run_py(code, *args, env=None):
+    e = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {}))
+    return subprocess.run([sys.executable, *args] if not code else [sys.executable, "-c", code, *args],
+                          capture_output=True, text=True, env=e, cwd=REPO, timeout=300)
+
+
+def test_fla_core_alone_without_layers():
+    """fla.layers unavailable (fla-core without flash-linear-attention): patch() still works."""
+    r = _run_py(textwrap.dedent("""
+        import sys
+        sys.modules['fla.layers'] = None
+        sys.modules['fla.layers.kda'] = None
+        sys.modules['fla.models'] = None
+        import fla_cula, fla.ops
+        fla_cula.patch()
+        assert fla.ops.chunk_kda is fla_cula.chunk_kda
+        fla_cula.unpatch()
+        print('ok')
+    """))
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+def test_run_command_patches_before_the_script(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import sys, fla.ops, fla_cula\nassert fla.ops.chunk_kda is fla_cula.chunk_kda\n"
+                      "print('patched', sys.argv[1:])\n")
+    r = _run_py(None, "-m", "fla_cula", "run", str(script), "--lr", "3")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "patched ['--lr', '3']" in r.stdout
+
+
+def test_pytest_plugin_patches_before_collection(tmp_path):
+    t = tmp_path / "test_uses_fla.py"
+    t.write_text("from fla.ops.kda import chunk_kda\nimport fla_cula\n"
+                 "def test_bound():\n    assert chunk_kda is fla_cula.chunk_kda\n")
+    r = _run_py(None, "-m", "pytest", "-q", "-p", "fla_cula.testing.plugin", "-p", "no:cacheprovider", str(t))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "fla_cula routes" in r.stdout
+
+
+def test_info_command():
+    r = _run_py(None, "-m", "fla_cula", "info", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    import json
+    rep = json.loads(r.stdout[r.stdout.index("{"):])
+    assert rep["versions"]["fla-core"] == "0.6.0"
+    assert rep["target_arch"] == "sm_90a"
+    assert any(k["name"] == "probe_scale_add" for k in rep["kernels"])
