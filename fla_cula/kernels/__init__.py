@@ -1,4 +1,8 @@
-"""CuTe DSL kernels, one module each. Importing this package registers every kernel's
-specializations with fla_cula.jit (for the CI compile check and `python -m fla_cula info`)."""
+"""CuTe DSL kernels, one module each. Importing this package imports every kernel module, which
+registers its specializations with fla_cula.jit (for the CI compile check and `python -m fla_cula info`)."""
 
-from fla_cula.kernels import probe  # noqa: F401
+import importlib
+import pkgutil
+
+for _m in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_m.name}")
