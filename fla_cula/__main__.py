@@ -31,7 +31,7 @@ def info(as_json: bool = False) -> dict:
     rep: dict = {"fla_cula": fla_cula.__version__, "versions": _versions(), "python": sys.version.split()[0]}
     if torch.cuda.is_available():
         rep["gpus"] = [{"index": i, "name": torch.cuda.get_device_name(i),
-                        "capability": "%d.%d" % torch.cuda.get_device_capability(i)}
+                        "capability": ".".join(map(str, torch.cuda.get_device_capability(i)))}
                        for i in range(torch.cuda.device_count())]
         rep["kernels_usable_here"] = routing._device_reason(0) or "yes"
     else:

@@ -77,7 +77,7 @@ def main(steps: int = 8) -> int:
     for op, s in st.items():
         print(f"  {op:<28} kernel={s['kernel']:<4} fallbacks={s['fallback']}")
     dl = (lo_a - lo_b).abs().max().item()
-    dg = max((a.float() - b.float()).abs().max().item() for a, b in zip(g_a, g_b))
+    dg = max((a.float() - b.float()).abs().max().item() for a, b in zip(g_a, g_b, strict=False))
     same_tokens = torch.equal(gen_a, gen_b)
     print(f"forward logits   max|unpatched - patched| = {dl:.3e}")
     print(f"gradients        max|unpatched - patched| = {dg:.3e}  ({len(g_a)} tensors)")

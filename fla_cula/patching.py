@@ -99,8 +99,9 @@ def _make_backends():
 
 
 def _register_backends() -> None:
-    import fla.backends as fb
     from inspect import unwrap
+
+    import fla.backends as fb
 
     from fla_cula.ops import kda, lightning_attn
 
