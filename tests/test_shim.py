@@ -307,3 +307,15 @@ def test_info_command():
     assert rep["versions"]["fla-core"] == "0.6.0"
     assert rep["target_arch"] == "sm_90a"
     assert any(k["name"] == "probe_scale_add" for k in rep["kernels"])
+
+
+def test_env_patch_hook():
+    """FLA_CULA_PATCH=1: the start-up hook patches before the script runs; without it, nothing happens."""
+    import site
+    pth = [p for p in site.getsitepackages() if os.path.exists(os.path.join(p, "fla_cula_autopatch.pth"))]
+    pre = "" if pth else "import fla_cula_autopatch\n"  # not installed here: exercise the hook module itself
+    code = pre + "import sys, fla.ops, fla_cula\nprint(fla.ops.chunk_kda is fla_cula.chunk_kda)\n"
+    assert _run_py(code, env={"FLA_CULA_PATCH": "1"}).stdout.strip().endswith("True")
+    assert _run_py(code, env={"FLA_CULA_PATCH": "0"}).stdout.strip().endswith("False")
+    quiet = _run_py("import sys; print('fla_cula' in sys.modules)", env={"FLA_CULA_PATCH": "0"})
+    assert quiet.stdout.strip() == "False", "without the variable the hook imports nothing"
