@@ -1,0 +1,108 @@
+"""python -m benchmarks [--quick] [--out DIR] [--only NAME ...] [--modes MODE ...] [--list]
+
+Times FLA 0.6.0 and fla_cula side by side (see benchmarks/harness.py and benchmarks/registry.py).
+Writes BENCHMARK_<tag>.md (default: repo root) and benchmarks/results/<tag>.json; with --out DIR
+both go to DIR (BENCHMARK_<tag>.md and benchmark_<tag>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.registry import registry
+
+    benches = registry()
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small grid, mostly decode (~5 min on an H200)")
+    p.add_argument("--out", help="directory for the report and the JSON (default: repo root + benchmarks/results)")
+    p.add_argument("--tag", default="H200", help="report suffix (default H200)")
+    p.add_argument("--only", nargs="+", help="bench names (substring match), e.g. 'kda decode'")
+    p.add_argument("--modes", nargs="+", choices=("eager", "graph", "fwdbwd"), help="only these modes")
+    p.add_argument("--impls", nargs="+", choices=("fla", "fla_cula"), default=["fla", "fla_cula"])
+    p.add_argument("--list", action="store_true", help="print the rows that would run and exit")
+    args = p.parse_args(argv)
+
+    plan = []
+    for b in benches:
+        if args.only and not any(o in b.name for o in args.only):
+            continue
+        shapes = b.quick if args.quick else b.shapes
+        modes = [m for m in b.modes if not args.modes or m in args.modes]
+        for s in shapes:
+            plan.append((b, s, modes))
+    if args.list:
+        for b, s, modes in plan:
+            print(f"{b.name:<40} {s.desc:<50} {','.join(modes)}")
+        print(f"{len(plan)} shapes")
+        return 0
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("benchmarks: no CUDA device; nothing to time (use --list to see the grid).", file=sys.stderr)
+        return 2
+
+    from benchmarks import report
+    from benchmarks.harness import measure_ceilings, time_impl
+    from benchmarks.registry import roofline_ms
+    from parity.machine import machine_header
+    from parity.runner import cula_functions, fla_functions
+
+    fns = {"fla": fla_functions(), "fla_cula": cula_functions()}
+    device = torch.device("cuda", torch.cuda.current_device())
+    header = machine_header()
+    header["grid"] = "quick" if args.quick else "full"
+    header["command"] = "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:])
+    t_start = time.perf_counter()
+    print(f"benchmarks: {len(plan)} shapes on {header['gpu']}; measuring ceilings", flush=True)
+    ceilings = measure_ceilings()
+    print(f"  copy {ceilings['copy_bw'] / 1e12:.2f} TB/s, bf16 matmul {ceilings['matmul_rate'] / 1e12:.0f} TFLOP/s",
+          flush=True)
+
+    records: list[dict] = []
+    for b, s, modes in plan:
+        torch.manual_seed(0)
+        for mode in modes:
+            x = b.make_inputs(s, device, mode == "fwdbwd")
+            nbytes = b.nbytes(s, x, mode)
+            flops = b.flops(s, mode)
+            floor = roofline_ms(nbytes, flops, ceilings["copy_bw"], ceilings["matmul_rate"])
+            for impl in args.impls:
+                r = time_impl(b, s, mode, impl, fns[impl][b.op], x)
+                rec = {"op": b.op, "bench": b.name, "impl": impl, "mode": mode, "B": s.B, "T": s.T, "H": s.H,
+                       "HV": s.HV, "K": s.K, "V": s.V, "varlen": s.varlen_desc or None, "shape": s.desc,
+                       "ms": r["ms"], "peak_bytes": r["peak_bytes"], "route": r["route"], "error": r["error"],
+                       "bytes": nbytes, "flops": flops, "roofline_ms": floor, "commit": header["fla_cula commit"],
+                       "gpu": header["gpu"], "copy_bw": ceilings["copy_bw"], "matmul_rate": ceilings["matmul_rate"],
+                       "wall_s": r["wall_s"]}
+                records.append(rec)
+                ms = "-" if r["ms"] is None else f"{r['ms']:.4f} ms"
+                print(f"  {b.name:<38} {s.desc:<44} {mode:<6} {impl:<8} {ms:>12}  [{r['route']}]"
+                      + (f"  {r['error']}" if r["error"] else "") + f"  ({r['wall_s']} s)", flush=True)
+            del x
+            torch.cuda.empty_cache()
+
+    header["wall time"] = f"{time.perf_counter() - t_start:.0f} s"
+    if args.out:
+        md = os.path.join(args.out, f"BENCHMARK_{args.tag}.md")
+        js = os.path.join(args.out, f"benchmark_{args.tag}.json")
+    else:
+        md = os.path.join(ROOT, f"BENCHMARK_{args.tag}.md")
+        js = os.path.join(ROOT, "benchmarks", "results", f"{args.tag}.json")
+    meta = {b.name: {"op": b.op, "flags": b.flags} for b in benches}
+    report.write(records, header, ceilings, meta, md, js, f"fla_cula vs FLA 0.6.0 benchmarks ({args.tag})")
+    print(f"benchmarks: wrote {md} and {js} ({header['wall time']})", flush=True)
+    print(report.short_table(records), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Timing: FLA and fla_cula side by side in one process, on the same inputs.
+
+eager  : ``triton.testing.do_bench(call, return_mode="median")`` after one untimed warm-up call
+         (compiles and Triton autotuning stay out); a plain Python call as a serving loop makes it.
+graph  : the same call captured once in a CUDA graph (after warm-up on a side stream), then
+         ``do_bench(graph.replay)``: GPU time without Python/launch overhead. Capture failures are
+         recorded with their reason.
+fwdbwd : forward + backward (``torch.autograd.backward`` with fixed random output gradients),
+         ``grad_to_none`` clears the input gradients between repetitions.
+Peak memory: ``torch.cuda.max_memory_allocated()`` during one call minus what was allocated before.
+do_bench flushes L2 between repetitions, so small decode states are not served from cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+WARMUP_MS, REP_MS = 25, 100
+
+
+def _do_bench(fn, grad_to_none=None) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, grad_to_none=grad_to_none,
+                                         return_mode="median"))
+
+
+def _copy_ms(n: int) -> float:
+    x = torch.randn(n, device="cuda")
+    y = torch.empty_like(x)
+    return _do_bench(lambda: y.copy_(x))
+
+
+def _matmul_ms(m: int) -> float:
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    return _do_bench(lambda: a @ b)
+
+
+def measure_ceilings() -> dict[str, float]:
+    """Device-to-device copy bandwidth (bytes read + written per second) and bf16 matmul flop/s."""
+    n = 1 << 28  # 1 GiB of float32
+    ms = _copy_ms(n)
+    copy_bw = 2 * n * 4 / (ms * 1e-3)
+    m = 8192
+    ms_mm = _matmul_ms(m)
+    rate = 2 * m ** 3 / (ms_mm * 1e-3)
+    torch.cuda.empty_cache()
+    return {"copy_bw": copy_bw, "matmul_rate": rate, "copy_ms_1GiB": ms, "matmul_ms_8192": ms_mm}
+
+
+def peak_bytes(fn) -> int:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return int(peak)
+
+
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
+def route_of(op: str) -> str:
+    from fla_cula import routing
+
+    r = routing.last_route()
+    if r is None:
+        return "no route recorded"
+    return r[1] if r[0] == op else f"{r[1]} ({r[0]})"
+
+
+def _backward_fn(call, fn, x, names):
+    outs = call(fn, x)
+    o, ht = outs[0], outs[1]
+    do = torch.randn_like(o)
+    dht = torch.randn_like(ht) if ht is not None else None
+    leaves = [x[n] for n in names]
+
+    def step():
+        o_, ht_ = call(fn, x)[:2]
+        ts, gs = [o_], [do]
+        if ht_ is not None:
+            ts.append(ht_)
+            gs.append(dht)
+        torch.autograd.backward(ts, gs)
+
+    return step, leaves
+
+
+def time_impl(bench, shape, mode: str, impl: str, fn, x: dict) -> dict:
+    """One (impl, mode) measurement; returns {"ms", "peak_bytes", "route", "error"}."""
+    rec: dict = {"ms": None, "peak_bytes": None, "route": "fla" if impl == "fla" else None, "error": None}
+    infer = mode != "fwdbwd"
+    ctx = torch.inference_mode() if infer else torch.enable_grad()
+    t0 = time.perf_counter()
+    try:
+        with ctx:
+            if mode == "fwdbwd":
+                step, leaves = _backward_fn(bench.call, fn, x, bench.grad_inputs)
+                step()  # warm-up (autotune)
+                if impl == "fla_cula":
+                    rec["route"] = route_of(bench.op)
+                torch.cuda.synchronize()
+                rec["ms"] = _do_bench(step, grad_to_none=leaves)
+                rec["peak_bytes"] = peak_bytes(step)
+            else:
+                def call():
+                    return bench.call(fn, x)
+
+                call()  # warm-up (compile / autotune)
+                if impl == "fla_cula":
+                    rec["route"] = route_of(bench.op)
+                torch.cuda.synchronize()
+                if mode == "eager":
+                    rec["ms"] = _do_bench(call)
+                    rec["peak_bytes"] = peak_bytes(call)
+                else:
+                    try:
+                        g = capture_graph(call)
+                    except Exception as e:  # noqa: BLE001 - recorded
+                        rec["error"] = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                        with contextlib.suppress(Exception):
+                            torch.cuda.synchronize()
+                    else:
+                        rec["ms"] = _do_bench(g.replay)
+                        del g
+    except Exception as e:  # noqa: BLE001 - recorded per row
+        rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    rec["wall_s"] = round(time.perf_counter() - t0, 2)
+    return rec

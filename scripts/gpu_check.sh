@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Everything the H200 is needed for, in one run (< 10 minutes):
+#   build the extension, `python -m fla_cula info`, GPU pytest, `python -m parity`,
+#   `python -m benchmarks --quick`; full reports into OUTDIR, a short summary table printed LAST.
+#
+#   source /opt/gpu-env.sh && bash scripts/gpu_check.sh "$OUT"
+#
+# OUTDIR receives 6 files (the device tool brings back at most 8): gpu_check.log, junit_gpu.xml,
+# REPORT_H200.md, report_H200.json, BENCHMARK_H200.md, benchmark_H200.json.
+# Per-step time limits (seconds) and extra arguments can be overridden from the environment:
+#   T_BUILD T_INFO T_PYTEST T_PARITY T_BENCH; PARITY_ARGS (e.g. "--quick"), BENCH_ARGS, PYTEST_ARGS.
+set -u
+OUTDIR="${1:?usage: scripts/gpu_check.sh OUTDIR}"
+mkdir -p "$OUTDIR"
+OUTDIR="$(cd "$OUTDIR" && pwd)"
+cd "$(dirname "$0")/.."
+LOG="$OUTDIR/gpu_check.log"
+: > "$LOG"
+export PYTHONUNBUFFERED=1
+export FLA_CULA_COMMIT="${FLA_CULA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+
+T_BUILD="${T_BUILD:-90}"; T_INFO="${T_INFO:-60}"; T_PYTEST="${T_PYTEST:-120}"
+T_PARITY="${T_PARITY:-170}"; T_BENCH="${T_BENCH:-150}"
+
+declare -a NAMES STATUSES SECS
+
+step() {  # step NAME TIMEOUT CMD...
+  local name="$1" limit="$2"; shift 2
+  echo "===== [$name] $* (limit ${limit}s)" | tee -a "$LOG"
+  local t0=$(date +%s.%N)
+  timeout --signal=TERM --kill-after=15 "$limit" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  local t1=$(date +%s.%N)
+  local status="ok"
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then status="TIMEOUT"; elif [ $rc -ne 0 ]; then status="FAIL(rc=$rc)"; fi
+  NAMES+=("$name"); STATUSES+=("$status"); SECS+=("$(python -c "print(f'{$t1-$t0:.1f}')")")
+  echo "===== [$name] $status" | tee -a "$LOG"
+  tail -n 5 "$LOG" | sed 's/^/    /'
+}
+
+build() {
+  if [ ! -f setup.py ]; then
+    echo "setup.py not present: skipping the extension build (the package works without it)"
+    return 0
+  fi
+  pip install --no-build-isolation --no-deps -e . || python setup.py build_ext --inplace
+}
+
+step build "$T_BUILD" bash -c "$(declare -f build); build"
+step info "$T_INFO" python -m fla_cula info
+step pytest "$T_PYTEST" python -m pytest tests/gpu -q -rs -p no:cacheprovider --junitxml="$OUTDIR/junit_gpu.xml" \
+  ${PYTEST_ARGS:-}
+step parity "$T_PARITY" python -m parity --out "$OUTDIR" ${PARITY_ARGS:-}
+step benchmarks "$T_BENCH" python -m benchmarks --quick --out "$OUTDIR" ${BENCH_ARGS:-}
+
+{
+  echo
+  echo "================ gpu_check summary ($FLA_CULA_COMMIT) ================"
+  printf "%-12s %-14s %8s\n" step status seconds
+  for i in "${!NAMES[@]}"; do printf "%-12s %-14s %8s\n" "${NAMES[$i]}" "${STATUSES[$i]}" "${SECS[$i]}"; done
+  python - "$OUTDIR" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+p = os.path.join(out, "report_H200.json")
+if os.path.exists(p):
+    s = json.load(open(p))["summary"]
+    print(f"parity: {s['cases']} cases, {s['passed']} passed, {s['failed']} failed, "
+          f"{s['kernel_routed']} kernel-routed; fallbacks: {s['fallbacks_by_reason']}")
+    for fid in s["failures"][:10]:
+        print(f"  FAIL {fid}")
+p = os.path.join(out, "benchmark_H200.json")
+if os.path.exists(p):
+    sys.path.insert(0, os.getcwd())
+    from benchmarks.report import short_table
+    print(short_table(json.load(open(p))))
+PY
+} 2>&1 | tee -a "$LOG"
