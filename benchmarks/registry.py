@@ -269,7 +269,9 @@ def registry() -> list[Bench]:
               lambda s, d, g: kda_inputs(s, d, g), call_chunk_kda, io_bytes, chunk_kda_flops,
               grad_inputs=("q", "k", "v", "g", "beta"), flags="as prefill; grads of q, k, v, g, beta"),
         Bench("fused_recurrent_kda decode", "fused_recurrent_kda", ("eager", "graph"), kda_decode,
-              [_S(1, 1, 32), _S(32, 1, 32), _S(256, 1, 32), _S(32, 4, 32), _S(32, 1, 16, 32), _S(32, 1, 8)],
+              # quick = the issue-4 target rows (decode calls are cheap; FLA's decode kernel does not autotune)
+              [_S(b, 1, 32) for b in DECODE_B] + [_S(b, 4, 32) for b in (32, 128)]
+              + [_S(32, 1, 16, 32), _S(32, 1, 8)],
               lambda s, d, g: kda_inputs(s, d, g), call_fused_recurrent_kda, io_bytes, rb(8),
               flags="l2norm, gate in kernel (A_log, dt_bias), beta sigmoid, h0, ht (new tensor)"),
         Bench("fused_recurrent_kda_fwd serving", "fused_recurrent_kda_fwd", ("eager", "graph"), kda_serve,
@@ -285,7 +287,7 @@ def registry() -> list[Bench]:
               lambda s, d, g: lightning_inputs(s, d, g), call_chunk_lightning, io_bytes, chunk_lightning_flops,
               grad_inputs=("q", "k", "v"), flags="grads of q, k, v"),
         Bench("fused_recurrent_lightning_attn decode", "fused_recurrent_lightning_attn", ("eager", "graph"),
-              light_decode, [_S(1, 1, 64), _S(32, 1, 64), _S(256, 1, 64), _S(32, 4, 64)],
+              light_decode, light_decode,  # quick = full: the issue-5 target rows
               lambda s, d, g: lightning_inputs(s, d, g), call_fused_recurrent_lightning, io_bytes, rb(6),
               flags="layer 3 of 24, h0, ht"),
     ]
