@@ -1,0 +1,225 @@
+"""Host wrapper: FLA's `fused_recurrent_kda_fwd` on the CuTe DSL recurrent decode kernel.
+
+`check(...)` re-validates everything the kernel relies on (FLA's dispatcher hands raw arguments
+before its own checks) and returns a short reason when the call must stay on FLA; `run(...)`
+allocates only outputs FLA would allocate and launches on the current stream. No host sync:
+values (cu_seqlens, pool indices, num_accepted_tokens) are clamped / bounds-checked in the kernel.
+
+Deviation from FLA, on purpose: a negative (or out-of-range) pool index marks a padding slot; the
+kernel skips that sequence entirely (no state read or write) and writes zeros to its output rows.
+"""
+
+import math
+
+import torch
+
+from fla_cula.kernels.recurrent_decode import DecodeConfig, get_kernel
+
+_FLOAT = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_INT = {torch.int32: "int32", torch.int64: "int64"}
+_I31 = 2 ** 31
+_KV = 128
+
+
+def _aligned(x) -> bool:
+    return x.data_ptr() % 16 == 0
+
+
+def _state_reason(s, N, HV, K, V, vf, pool, what) -> str | None:
+    if not isinstance(s, torch.Tensor):
+        return f"{what} is not a tensor"
+    if s.dtype != torch.float32:
+        return f"{what} dtype {s.dtype}: kernel supports float32"
+    exp = (HV, V, K) if vf else (HV, K, V)
+    if s.ndim != 4 or tuple(s.shape[1:]) != exp:
+        return f"{what} shape {tuple(s.shape)}: expected [N, {', '.join(map(str, exp))}]"
+    if s.device != pool.device:
+        return f"{what} on {s.device}, inputs on {pool.device}"
+    st = s.stride()
+    if st[1] != K * V or st[2] != exp[2] or st[3] != 1:
+        return f"{what} strides {st}: inner [HV, ., .] dims must be contiguous"
+    if st[0] % 4 or not _aligned(s):
+        return f"{what} not 16-byte aligned"
+    return None
+
+
+def check(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
+          inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+          use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+          allow_neg_eigval, lower_bound, out) -> str | None:
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(x, torch.Tensor):
+            return f"{name} is not a tensor"
+        if x.dtype not in _FLOAT:
+            return f"{name} dtype {x.dtype}: kernel supports bf16/fp16/fp32"
+    if q.dtype != k.dtype:
+        return f"q dtype {q.dtype} != k dtype {k.dtype}"
+    if q.ndim != 4 or k.shape != q.shape:
+        return f"q/k shapes {tuple(q.shape)}/{tuple(k.shape)}: expected equal [B, T, H, K]"
+    B, T, H, K = q.shape
+    if K != _KV:
+        return f"head dim {K}: kernel supports 128"
+    if v.ndim != 4 or v.shape[0] != B or v.shape[1] != T:
+        return f"v shape {tuple(v.shape)}: expected [{B}, {T}, HV, V]"
+    HV, V = v.shape[2], v.shape[3]
+    if V != _KV:
+        return f"value dim {V}: kernel supports 128"
+    if H == 0 or HV % H:
+        return f"HV={HV} not a multiple of H={H}"
+    if g.ndim != 4 or tuple(g.shape) != (B, T, HV, K):
+        return f"g shape {tuple(g.shape)}: expected [{B}, {T}, {HV}, {K}]"
+    if beta.ndim == 4:
+        return "headwise beta [B,T,HV,V]: kernel supports scalar beta"
+    if tuple(beta.shape) != (B, T, HV):
+        return f"beta shape {tuple(beta.shape)}: expected [{B}, {T}, {HV}]"
+    dev = q.device
+    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if x.device != dev:
+            return f"{name} on {x.device}, q on {dev}"
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not x.is_contiguous():
+            return f"{name} not contiguous"
+        if x.numel() >= _I31:
+            return f"{name} has >= 2^31 elements"
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
+        if not _aligned(x):
+            return f"{name} not 16-byte aligned"
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        return f"scale {scale!r}: expected a finite float"
+    # ---- gate parameters ----
+    if use_gate_in_kernel:
+        if A_log is not None:
+            if not isinstance(A_log, torch.Tensor) or A_log.dtype not in _FLOAT:
+                return "A_log: expected a bf16/fp16/fp32 tensor"
+            if A_log.numel() != HV or not A_log.is_contiguous() or A_log.device != dev:
+                return f"A_log shape {tuple(A_log.shape)}: expected {HV} contiguous elements"
+        if dt_bias is not None:
+            if not isinstance(dt_bias, torch.Tensor) or dt_bias.dtype not in _FLOAT:
+                return "dt_bias: expected a bf16/fp16/fp32 tensor"
+            if dt_bias.numel() != HV * K or not dt_bias.is_contiguous() or dt_bias.device != dev:
+                return f"dt_bias shape {tuple(dt_bias.shape)}: expected {HV * K} contiguous elements"
+            if not _aligned(dt_bias):
+                return "dt_bias not 16-byte aligned"
+        if lower_bound is not None:
+            if not isinstance(lower_bound, (int, float)) or not math.isfinite(lower_bound) \
+                    or lower_bound >= 0:
+                return f"lower_bound {lower_bound!r}: kernel supports a finite negative float"
+        elif A_log is None:
+            return "use_gate_in_kernel without A_log and lower_bound: FLA needs A_log"
+    # ---- sequences ----
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in _INT:
+            return "cu_seqlens: expected an int32/int64 tensor"
+        if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2 or not cu_seqlens.is_contiguous():
+            return f"cu_seqlens shape {tuple(cu_seqlens.shape)}: expected contiguous [N+1], N >= 1"
+        if cu_seqlens.device != dev:
+            return f"cu_seqlens on {cu_seqlens.device}: kernel needs it on {dev}"
+        if B != 1:
+            return f"cu_seqlens with batch {B}: varlen needs B == 1"
+        N = cu_seqlens.shape[0] - 1
+    else:
+        N = B
+    if N == 0:
+        return "no sequences"
+    # ---- state ----
+    if inplace_final_state and initial_state is None:
+        return "inplace_final_state=True without initial_state (FLA asserts)"
+    pool = ssm_state_indices is not None
+    if initial_state is not None:
+        r = _state_reason(initial_state, N, HV, K, V, state_v_first, q, "initial_state")
+        if r:
+            return r
+        if not pool and (initial_state.shape[0] != N or
+                         (N > 1 and initial_state.stride(0) != HV * K * V)):
+            return (f"initial_state batch {initial_state.shape[0]} (stride {initial_state.stride(0)})"
+                    f": expected {N} contiguous states")
+    if pool:
+        if not inplace_final_state:
+            return "ssm_state_indices without inplace_final_state: FLA writes per-token states by position"
+        x = ssm_state_indices
+        if not isinstance(x, torch.Tensor) or x.dtype not in _INT or x.device != dev:
+            return "ssm_state_indices: expected an int32/int64 tensor on the inputs' device"
+        if x.ndim == 1:
+            if x.shape[0] != N or not x.is_contiguous():
+                return f"1-D ssm_state_indices shape {tuple(x.shape)}: expected contiguous [{N}]"
+            if (T > 1 if cu_seqlens is None else T > N):
+                return ("1-D ssm_state_indices with T>1 per sequence: "
+                        "FLA's per-token slot semantics kept on FLA")
+        elif x.ndim == 2:
+            if x.shape[0] != N or x.stride(1) != 1:
+                return f"2-D ssm_state_indices shape {tuple(x.shape)}: expected [{N}, Tmax], unit stride"
+            if cu_seqlens is None and T > x.shape[1]:
+                return f"T={T} > ssm_state_indices width {x.shape[1]}"
+        else:
+            return f"ssm_state_indices with {x.ndim} dims: expected [N] or [N, Tmax]"
+        na = num_accepted_tokens
+        if na is not None:
+            if not isinstance(na, torch.Tensor) or na.dtype not in _INT or na.device != dev:
+                return "num_accepted_tokens: expected an int32/int64 tensor on the inputs' device"
+            if na.ndim != 1 or na.shape[0] != N or not na.is_contiguous():
+                return f"num_accepted_tokens shape {tuple(na.shape)}: expected contiguous [{N}]"
+    # ---- out ----
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.dtype not in _FLOAT:
+            return "out: expected a bf16/fp16/fp32 tensor"
+        if out.shape != v.shape or not out.is_contiguous() or out.device != dev or not _aligned(out):
+            return f"out shape {tuple(out.shape)}: expected contiguous aligned {tuple(v.shape)}"
+    return None
+
+
+_cfg_cache: dict = {}
+
+
+def run(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
+        inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+        allow_neg_eigval, lower_bound, out):
+    """FLA's fused_recurrent_kda_fwd semantics; returns (out, final_state)."""
+    pool = ssm_state_indices is not None
+    gate = bool(use_gate_in_kernel)
+    has_A = gate and A_log is not None
+    has_bias = gate and dt_bias is not None
+    has_lb = gate and lower_bound is not None
+    if out is None:
+        out = torch.empty_like(v)
+    final = None
+    if inplace_final_state:
+        final = initial_state
+    elif output_final_state:
+        N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        HV = v.shape[2]
+        final = q.new_empty((N, HV, 128, 128), dtype=torch.float32)
+    has_ht = (not pool) and final is not None
+    sig = bool(use_beta_sigmoid_in_kernel)
+    key = (q.dtype, v.dtype, g.dtype, beta.dtype, out.dtype, bool(state_v_first),
+           initial_state is not None, has_ht,
+           None if cu_seqlens is None else cu_seqlens.dtype,
+           0 if not pool else ssm_state_indices.ndim,
+           None if not pool else ssm_state_indices.dtype,
+           None if (not pool or num_accepted_tokens is None) else num_accepted_tokens.dtype,
+           bool(use_qk_l2norm_in_kernel), gate, None if not has_A else A_log.dtype,
+           None if not has_bias else dt_bias.dtype, has_lb, sig, sig and bool(allow_neg_eigval))
+    fn = _cfg_cache.get(key)
+    if fn is None:
+        cfg = DecodeConfig(
+            mode="kda", state_v_first=key[5], qk_dtype=_FLOAT[q.dtype], v_dtype=_FLOAT[v.dtype],
+            g_dtype=_FLOAT[g.dtype], beta_dtype=_FLOAT[beta.dtype], o_dtype=_FLOAT[out.dtype],
+            has_h0=key[6], has_ht=has_ht, varlen=cu_seqlens is not None,
+            cu_dtype=_INT[cu_seqlens.dtype] if cu_seqlens is not None else "int32",
+            pool=key[9], idx_dtype=_INT[key[10]] if pool else "int32",
+            spec=key[11] is not None, na_dtype=_INT[key[11]] if key[11] is not None else "int32",
+            l2norm=key[12], gate_in_kernel=gate, has_A=has_A,
+            a_dtype=_FLOAT[A_log.dtype] if has_A else "float32", has_bias=has_bias,
+            bias_dtype=_FLOAT[dt_bias.dtype] if has_bias else "float32",
+            has_lower_bound=has_lb, beta_sigmoid=sig, neg_eigval=key[18])
+        fn = get_kernel(cfg)
+        _cfg_cache[key] = fn
+    if has_A and A_log.ndim != 1:
+        A_log = A_log.view(-1)
+    if has_bias and dt_bias.ndim != 1:
+        dt_bias = dt_bias.view(-1)
+    fn(q, k, v, g, beta, A_log if has_A else None, dt_bias if has_bias else None,
+       initial_state, final if has_ht else None, out, cu_seqlens,
+       ssm_state_indices, num_accepted_tokens if pool else None,
+       float(scale), float(lower_bound) if has_lb else 0.0)
+    return out, final

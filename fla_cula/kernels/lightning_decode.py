@@ -1,0 +1,101 @@
+"""Host wrapper: FLA's `fused_recurrent_simple_gla` with a per-head `g_gamma` (lightning attention)
+on the CuTe DSL recurrent decode kernel (mode='lightning').
+
+`check(...)` returns a short reason when the call must stay on FLA; `run(...)` allocates the
+outputs FLA allocates (o in q.dtype, the final state when asked) and launches on the current stream.
+"""
+
+import math
+
+import torch
+
+from fla_cula.kernels.kda_decode import _FLOAT, _I31, _INT, _KV, _aligned, _state_reason
+from fla_cula.kernels.recurrent_decode import DecodeConfig, get_kernel
+
+
+def check(q, k, v, g_gamma, scale, initial_state, output_final_state, reverse, state_v_first,
+          cu_seqlens) -> str | None:
+    if reverse:
+        return "reverse=True: kernel is forward-in-time only"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            return f"{name} is not a tensor"
+        if x.dtype not in _FLOAT:
+            return f"{name} dtype {x.dtype}: kernel supports bf16/fp16/fp32"
+    if q.dtype != k.dtype:
+        return f"q dtype {q.dtype} != k dtype {k.dtype}"
+    if q.ndim != 4 or k.shape != q.shape:
+        return f"q/k shapes {tuple(q.shape)}/{tuple(k.shape)}: expected equal [B, T, H, K]"
+    B, T, H, K = q.shape
+    if K != _KV:
+        return f"head dim {K}: kernel supports 128"
+    if v.ndim != 4 or tuple(v.shape[:3]) != (B, T, H):
+        return f"v shape {tuple(v.shape)}: expected [{B}, {T}, {H}, V]"
+    if v.shape[3] != _KV:
+        return f"value dim {v.shape[3]}: kernel supports 128"
+    dev = q.device
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.device != dev:
+            return f"{name} on {x.device}, q on {dev}"
+        if not x.is_contiguous():
+            return f"{name} not contiguous"
+        if x.numel() >= _I31:
+            return f"{name} has >= 2^31 elements"
+        if not _aligned(x):
+            return f"{name} not 16-byte aligned"
+    if not isinstance(g_gamma, torch.Tensor) or g_gamma.dtype != torch.float32:
+        return "g_gamma: expected a float32 tensor"
+    if g_gamma.ndim != 1 or g_gamma.shape[0] != H or not g_gamma.is_contiguous() \
+            or g_gamma.device != dev:
+        return f"g_gamma shape {tuple(g_gamma.shape)}: expected contiguous [{H}] on {dev}"
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        return f"scale {scale!r}: expected a finite float"
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in _INT:
+            return "cu_seqlens: expected an int32/int64 tensor"
+        if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2 or not cu_seqlens.is_contiguous():
+            return f"cu_seqlens shape {tuple(cu_seqlens.shape)}: expected contiguous [N+1], N >= 1"
+        if cu_seqlens.device != dev:
+            return f"cu_seqlens on {cu_seqlens.device}: kernel needs it on {dev}"
+        if B != 1:
+            return f"cu_seqlens with batch {B}: varlen needs B == 1"
+        N = cu_seqlens.shape[0] - 1
+    else:
+        N = B
+    if N == 0:
+        return "no sequences"
+    if initial_state is not None:
+        r = _state_reason(initial_state, N, H, K, _KV, state_v_first, q, "initial_state")
+        if r:
+            return r
+        if initial_state.shape[0] != N or (N > 1 and initial_state.stride(0) != H * K * _KV):
+            return (f"initial_state batch {initial_state.shape[0]}: expected {N} contiguous states")
+    return None
+
+
+_cfg_cache: dict = {}
+
+
+def run(q, k, v, g_gamma, scale, initial_state, output_final_state, reverse, state_v_first,
+        cu_seqlens):
+    """FLA's fused_recurrent_simple_gla(g_gamma=...) forward; returns (o, final_state)."""
+    o = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+    ht = None
+    if output_final_state:
+        N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        ht = q.new_empty((N, q.shape[2], 128, 128), dtype=torch.float32)
+    key = (q.dtype, v.dtype, bool(state_v_first), initial_state is not None, ht is not None,
+           None if cu_seqlens is None else cu_seqlens.dtype)
+    fn = _cfg_cache.get(key)
+    if fn is None:
+        cfg = DecodeConfig(
+            mode="lightning", state_v_first=key[2], qk_dtype=_FLOAT[q.dtype],
+            v_dtype=_FLOAT[v.dtype], g_dtype="float32", beta_dtype="float32",
+            o_dtype=_FLOAT[q.dtype], has_h0=key[3], has_ht=key[4],
+            varlen=cu_seqlens is not None,
+            cu_dtype=_INT[cu_seqlens.dtype] if cu_seqlens is not None else "int32")
+        fn = get_kernel(cfg)
+        _cfg_cache[key] = fn
+    fn(q, k, v, g_gamma, None, None, None, initial_state, ht, o, cu_seqlens, None, None,
+       float(scale), 0.0)
+    return o, ht

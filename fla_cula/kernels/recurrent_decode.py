@@ -1,0 +1,469 @@
+# CuTe DSL evaluates annotations at trace time: no `from __future__ import annotations` here.
+"""Recurrent decode kernel (SM90, CuTe DSL) serving KDA and lightning attention.
+
+One kernel body, specialized by a frozen :class:`DecodeConfig` (the compile key):
+
+  mode='kda'        S' = diag(exp(a_t)) S;  u = beta (v - S'^T k);  S = S' + k u^T;  o = S^T (scale q)
+  mode='lightning'  S  = exp(gamma_h) S + k v^T;                                    o = S^T (scale q)
+
+per (sequence n, value head hv), S in R^{K x V} float32, state kept in registers for all T tokens
+of the step (read once, written once per step; or once per token into a state pool when FLA's
+continuous-batching semantics ask for it).
+
+Static (compile key): mode, K, V, state layout, dtypes, which optional inputs exist, flags, BV.
+Symbolic (runtime): batch B, tokens T, heads H/HV, number of sequences N, pool size, pool stride,
+index-table width - a new batch size, step length or pool never recompiles.
+
+Work split: grid (V/BV, HV, N); a CTA owns the K x BV column block of one (n, hv) state
+(BV=32: 4 CTAs per state, so B=1, HV=32 already launches 128 CTAs). Warp w owns 8 value columns;
+lane = kl + 16*vq owns rows k in [8kl, 8kl+8) and columns [8w + 4vq, +4): a 8x4 fp32 fragment
+(32 registers). Reductions over K are 4 butterfly shuffles inside 16 lanes - no shared memory and
+no barrier. Both state layouts use the same ownership; only the vector direction of the 16-byte
+state loads/stores differs ([K,V]: a float4 along V per row; [V,K]: two float4 along K per row).
+o and u use the identity o = S'^T q + (k.q) u, so a token needs ONE reduction pass (S'^T k,
+S'^T q, k.q and, with l2norm, |q|^2, |k|^2 all in one batch of shuffles).
+"""
+
+from dataclasses import dataclass, fields
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+
+from fla_cula.jit import KernelSpec, get_compiled, register_kernel
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+_DT = {
+    "bfloat16": cutlass.BFloat16,
+    "float16": cutlass.Float16,
+    "float32": cutlass.Float32,
+    "int32": cutlass.Int32,
+    "int64": cutlass.Int64,
+}
+
+
+def _al(t, nbytes):
+    """The same tensor with its pointer declared `nbytes`-aligned (the host checks guarantee it:
+    16-byte aligned bases, strides that are multiples of the vector)."""
+    p = t.iterator
+    return cute.make_tensor(cute.make_ptr(t.element_type, p.toint(), p.memspace,
+                                          assumed_align=nbytes), t.layout)
+
+
+def _vw(t):
+    """Alignment of a 4- or 8-element vector of t's element type, capped at 16 bytes."""
+    return min(16, cute.size(t) * t.element_type.width // 8)
+
+
+def _vec(t, shape, coord):
+    tile = cute.local_tile(t, shape, coord)
+    return _al(tile, _vw(tile))
+
+
+def _load_state(VF, src2d, rS, rT, vc, kl):
+    """Thread fragment of one (slot, hv) state: src2d is its (K, V) or (V, K) view."""
+    if VF:
+        cute.autovec_copy(_al(cute.local_tile(src2d, (4, 8), (vc, kl)), 16), rT)
+        for i in range(8):
+            for jj in range(4):
+                rS[i, jj] = rT[jj, i]
+    else:
+        cute.autovec_copy(_al(cute.local_tile(src2d, (8, 4), (kl, vc)), 16), rS)
+
+
+def _store_state(VF, dst2d, rS, rT, vc, kl):
+    if VF:
+        for i in range(8):
+            for jj in range(4):
+                rT[jj, i] = rS[i, jj]
+        cute.autovec_copy(rT, _al(cute.local_tile(dst2d, (4, 8), (vc, kl)), 16))
+    else:
+        cute.autovec_copy(rS, _al(cute.local_tile(dst2d, (8, 4), (kl, vc)), 16))
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """The specialization (compile key). Sizes B, T, H, HV, N, pool are NOT here (symbolic)."""
+
+    mode: str = "kda"              # 'kda' | 'lightning'
+    K: int = 128
+    V: int = 128
+    state_v_first: bool = False    # state [.., V, K] instead of [.., K, V]
+    qk_dtype: str = "bfloat16"
+    v_dtype: str = "bfloat16"
+    g_dtype: str = "bfloat16"      # kda: g; lightning: unused
+    beta_dtype: str = "bfloat16"   # kda only
+    o_dtype: str = "bfloat16"
+    has_h0: bool = True            # initial state given
+    has_ht: bool = True            # (non-pool) final state written to ht[n]
+    varlen: bool = False           # cu_seqlens given
+    cu_dtype: str = "int32"
+    pool: int = 0                  # 0: no pool; 1: 1-D ssm_state_indices; 2: 2-D [N, Tmax]
+    idx_dtype: str = "int32"
+    spec: bool = False             # num_accepted_tokens given (with pool)
+    na_dtype: str = "int32"
+    l2norm: bool = False
+    gate_in_kernel: bool = False
+    has_A: bool = False
+    a_dtype: str = "float32"
+    has_bias: bool = False
+    bias_dtype: str = "float32"
+    has_lower_bound: bool = False
+    beta_sigmoid: bool = False
+    neg_eigval: bool = False
+    bv: int = 32                   # value columns per CTA (multiple of 8)
+
+    def key(self):
+        return tuple((f.name, getattr(self, f.name)) for f in fields(self))
+
+    @property
+    def warps(self) -> int:
+        return self.bv // 8
+
+
+def _rm(dtype, shape, assumed_align=None):
+    """Row-major (last dim contiguous) fake tensor; 32-bit strides (the host checks numel < 2^31)."""
+    n = len(shape)
+    return make_fake_compact_tensor(dtype, shape, stride_order=tuple(range(n - 1, -1, -1)),
+                                    assumed_align=assumed_align, use_32bit_stride=True)
+
+
+class RecurrentDecode:
+    """Static config + @cute.jit launcher + @cute.kernel body."""
+
+    def __init__(self, cfg: DecodeConfig):
+        assert cfg.K == 128 and cfg.V % cfg.bv == 0 and cfg.bv % 8 == 0
+        self.cfg = cfg
+
+    # ------------------------------------------------------------------------------------------
+    def jit_fn(self):
+        cfg = self.cfg
+        K = cfg.K
+        V = cfg.V
+        BV = cfg.bv
+        NTHR = 32 * cfg.warps
+        KDA = cfg.mode == "kda"
+        VF = cfg.state_v_first
+        POOL = cfg.pool
+        f32 = Float32
+
+        def fexp(x):
+            return cute.math.exp2(x * LOG2E, fastmath=True)
+
+        def sigmoid(x):
+            return f32(1.0) / (f32(1.0) + fexp(-x))
+
+        @cute.kernel
+        def kernel(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
+                   mBeta: cute.Tensor, mA: cute.Tensor, mBias: cute.Tensor, mH0: cute.Tensor,
+                   mHt: cute.Tensor, mO: cute.Tensor, mCu: cute.Tensor, mIdx: cute.Tensor,
+                   mNa: cute.Tensor, scale: f32, lower_bound: f32):
+            tidx, _, _ = cute.arch.thread_idx()
+            vb, hv, n = cute.arch.block_idx()
+            lane = tidx % 32
+            warp = tidx // 32
+            kl = lane % 16
+            vq = lane // 16
+            vc = vb * (BV // 4) + warp * 2 + vq       # owned column group: v in [4vc, 4vc+4)
+            HQ = mQ.shape[2]
+            HVn = mV.shape[2]
+            hq = hv // (HVn // HQ)
+            Ttot = mQ.shape[1]
+
+            # ---- sequence bounds (clamped: values are never trusted) ----
+            b = n
+            bos = Int32(0)
+            Tn = Ttot
+            if cutlass.const_expr(cfg.varlen):
+                b = Int32(0)
+                s0 = Int32(mCu[n])
+                s1 = Int32(mCu[n + 1])
+                s0 = cutlass.max(cutlass.min(s0, Ttot), Int32(0))
+                s1 = cutlass.max(cutlass.min(s1, Ttot), s0)
+                bos = s0
+                Tn = s1 - s0
+
+            # ---- pool slot to read (continuous batching) ----
+            active = Int32(1)
+            rslot = Int64(n)
+            if cutlass.const_expr(POOL != 0):
+                npool = mH0.shape[0]
+                t0 = Int32(0)
+                if cutlass.const_expr(cfg.spec):
+                    t0 = Int32(mNa[n]) - 1
+                if cutlass.const_expr(POOL == 1):
+                    j = n + t0
+                    rs = Int64(-1)
+                    if t0 >= 0 and j < mIdx.shape[0]:
+                        rs = Int64(mIdx[j])
+                    rslot = rs
+                else:
+                    rs = Int64(-1)
+                    if t0 >= 0 and t0 < mIdx.shape[1]:
+                        rs = Int64(mIdx[n, t0])
+                    rslot = rs
+                if rslot < 0 or rslot >= Int64(npool) or Tn == 0:
+                    active = Int32(0)
+
+            # ---- registers ----
+            rS = cute.make_rmem_tensor((8, 4), f32)       # [i: k = 8kl+i][j: v = 4vc+j]
+            rS.fill(0.0)
+            rq8 = cute.make_rmem_tensor((8,), mQ.element_type)
+            rk8 = cute.make_rmem_tensor((8,), mK.element_type)
+            rv4 = cute.make_rmem_tensor((4,), mV.element_type)
+            ro4 = cute.make_rmem_tensor((4,), mO.element_type)
+            rdec = cute.make_rmem_tensor((8,), f32)
+            rg8 = cute.make_rmem_tensor((8,), mG.element_type if KDA else f32)
+            rT = cute.make_rmem_tensor((4, 8), f32)  # staging in [j][i] order for [V,K]
+
+            if active != 0:
+                if cutlass.const_expr(cfg.has_h0):
+                    _load_state(VF, mH0[rslot, hv, None, None], rS, rT, vc, kl)
+
+                # per-head constants
+                gam = f32(0.0)
+                if cutlass.const_expr(not KDA):
+                    gam = fexp(f32(mG[hq]))
+                aexp = f32(1.0)
+                if cutlass.const_expr(KDA and cfg.gate_in_kernel and cfg.has_A):
+                    aexp = fexp(f32(mA[hv]))
+                rbias = cute.make_rmem_tensor((8,), f32)
+                rbias.fill(0.0)
+                if cutlass.const_expr(KDA and cfg.gate_in_kernel and cfg.has_bias):
+                    rb8 = cute.make_rmem_tensor((8,), mBias.element_type)
+                    cute.autovec_copy(_vec(mBias, (8,), (hv * (K // 8) + kl,)), rb8)
+                    rbias.store(rb8.load().to(f32))
+
+                for t in cutlass.range(Tn, unroll=1):
+                    tok = bos + t
+                    cute.autovec_copy(_vec(mQ[b, tok, hq, None], (8,), (kl,)), rq8)
+                    cute.autovec_copy(_vec(mK[b, tok, hq, None], (8,), (kl,)), rk8)
+                    cute.autovec_copy(_vec(mV[b, tok, hv, None], (4,), (vc,)), rv4)
+                    qf = rq8.load().to(f32)
+                    kf = rk8.load().to(f32)
+                    vf = rv4.load().to(f32)
+                    # ---- decay ----
+                    if cutlass.const_expr(KDA):
+                        cute.autovec_copy(_vec(mG[b, tok, hv, None], (8,), (kl,)), rg8)
+                        gf = rg8.load().to(f32)
+                        for i in cutlass.range_constexpr(8):
+                            gi = gf[i]
+                            if cutlass.const_expr(cfg.gate_in_kernel):
+                                gi = gi + rbias[i]
+                                if cutlass.const_expr(cfg.has_lower_bound):
+                                    gi = lower_bound * sigmoid(aexp * gi)
+                                else:
+                                    sp = gi
+                                    if gi <= f32(20.0):
+                                        sp = cute.math.log2(f32(1.0) + fexp(gi), fastmath=True) * LN2
+                                    gi = -aexp * sp
+                            rdec[i] = fexp(gi)
+                        for i in cutlass.range_constexpr(8):
+                            for jj in cutlass.range_constexpr(4):
+                                rS[i, jj] = rS[i, jj] * rdec[i]
+                    else:
+                        for i in cutlass.range_constexpr(8):
+                            for jj in cutlass.range_constexpr(4):
+                                rS[i, jj] = rS[i, jj] * gam
+                    # ---- one batched reduction over K ----
+                    NR = 4 + (4 if KDA else 0) + 1 + (2 if cfg.l2norm else 0)
+                    red = cute.make_rmem_tensor((NR,), f32)
+                    for jj in cutlass.range_constexpr(4):
+                        aq = f32(0.0)
+                        for i in cutlass.range_constexpr(8):
+                            aq = aq + rS[i, jj] * qf[i]
+                        red[jj] = aq
+                        if cutlass.const_expr(KDA):
+                            ak = f32(0.0)
+                            for i in cutlass.range_constexpr(8):
+                                ak = ak + rS[i, jj] * kf[i]
+                            red[4 + jj] = ak
+                    base = 8 if KDA else 4
+                    kq = f32(0.0)
+                    for i in cutlass.range_constexpr(8):
+                        kq = kq + kf[i] * qf[i]
+                    red[base] = kq
+                    if cutlass.const_expr(cfg.l2norm):
+                        qq = f32(0.0)
+                        kk = f32(0.0)
+                        for i in cutlass.range_constexpr(8):
+                            qq = qq + qf[i] * qf[i]
+                            kk = kk + kf[i] * kf[i]
+                        red[base + 1] = qq
+                        red[base + 2] = kk
+                    for sh in cutlass.range_constexpr(4):
+                        for r in cutlass.range_constexpr(NR):
+                            red[r] = red[r] + cute.arch.shuffle_sync_bfly(red[r], offset=1 << sh)
+                    # ---- token update ----
+                    rqn = scale
+                    rkn = f32(1.0)
+                    if cutlass.const_expr(cfg.l2norm):
+                        rqn = scale * cute.math.rsqrt(red[base + 1] + f32(1e-6), fastmath=False)
+                        rkn = cute.math.rsqrt(red[base + 2] + f32(1e-6), fastmath=False)
+                    kqn = red[base] * rkn
+                    ru = cute.make_rmem_tensor((4,), f32)
+                    if cutlass.const_expr(KDA):
+                        bt = f32(mBeta[b, tok, hv])
+                        if cutlass.const_expr(cfg.beta_sigmoid):
+                            bt = sigmoid(bt)
+                            if cutlass.const_expr(cfg.neg_eigval):
+                                bt = bt * f32(2.0)
+                        for jj in cutlass.range_constexpr(4):
+                            ru[jj] = bt * (vf[jj] - rkn * red[4 + jj])
+                    else:
+                        for jj in cutlass.range_constexpr(4):
+                            ru[jj] = vf[jj]
+                    for jj in cutlass.range_constexpr(4):
+                        ro4[jj] = (rqn * (red[jj] + kqn * ru[jj])).to(mO.element_type)
+                    for i in cutlass.range_constexpr(8):
+                        ki = kf[i] * rkn
+                        for jj in cutlass.range_constexpr(4):
+                            rS[i, jj] = rS[i, jj] + ki * ru[jj]
+                    if kl == 0:
+                        cute.autovec_copy(ro4, _vec(mO[b, tok, hv, None], (4,), (vc,)))
+                    # ---- per-token state write into the pool (FLA continuous batching) ----
+                    if cutlass.const_expr(POOL != 0):
+                        ws = Int64(-1)
+                        if cutlass.const_expr(POOL == 1):
+                            j = n + t
+                            if j < mIdx.shape[0]:
+                                ws = Int64(mIdx[j])
+                        else:
+                            if t < mIdx.shape[1]:
+                                ws = Int64(mIdx[n, t])
+                        if ws >= 0 and ws < Int64(mH0.shape[0]):
+                            _store_state(VF, mH0[ws, hv, None, None], rS, rT, vc, kl)
+
+                if cutlass.const_expr(POOL == 0 and cfg.has_ht):
+                    _store_state(VF, mHt[n, hv, None, None], rS, rT, vc, kl)
+            else:
+                # padding / empty sequence: touch no state; zero its output rows
+                if cutlass.const_expr(POOL != 0):
+                    for jj in cutlass.range_constexpr(4):
+                        ro4[jj] = f32(0.0).to(mO.element_type)
+                    if kl == 0:
+                        for t in cutlass.range(Tn, unroll=1):
+                            cute.autovec_copy(
+                                ro4, _vec(mO[b, bos + t, hv, None], (4,), (vc,)))
+
+        @cute.jit
+        def launch(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
+                   mBeta: cute.Tensor, mA: cute.Tensor, mBias: cute.Tensor, mH0: cute.Tensor,
+                   mHt: cute.Tensor, mO: cute.Tensor, mCu: cute.Tensor, mIdx: cute.Tensor,
+                   mNa: cute.Tensor, scale: f32, lower_bound: f32, stream):
+            if cutlass.const_expr(cfg.varlen):
+                nseq = mCu.shape[0] - 1
+            else:
+                nseq = mQ.shape[0]
+            kernel(mQ, mK, mV, mG, mBeta, mA, mBias, mH0, mHt, mO, mCu, mIdx, mNa,
+                   scale, lower_bound).launch(
+                grid=[V // BV, mV.shape[2], nseq], block=[NTHR, 1, 1], stream=stream)
+
+        return launch
+
+    # ------------------------------------------------------------------------------------------
+    def fake_args(self):
+        """Fake tensors with symbolic sizes: the compile signature."""
+        c = self.cfg
+        K, V = c.K, c.V
+        B = cute.sym_int32()
+        T = cute.sym_int32()
+        H = cute.sym_int32()
+        HV = cute.sym_int32()
+        dt = _DT
+        q = _rm(dt[c.qk_dtype], (B, T, H, K), assumed_align=16)
+        k = _rm(dt[c.qk_dtype], (B, T, H, K), assumed_align=16)
+        if c.mode == "kda":
+            v = _rm(dt[c.v_dtype], (B, T, HV, V), assumed_align=16)
+            o = _rm(dt[c.o_dtype], (B, T, HV, V), assumed_align=16)
+            g = _rm(dt[c.g_dtype], (B, T, HV, K), assumed_align=16)
+            beta = _rm(dt[c.beta_dtype], (B, T, HV))
+        else:
+            v = _rm(dt[c.v_dtype], (B, T, H, V), assumed_align=16)
+            o = _rm(dt[c.o_dtype], (B, T, H, V), assumed_align=16)
+            g = _rm(cutlass.Float32, (H,))   # g_gamma [H] fp32
+            beta = None
+        A = dt_bias = None
+        if c.mode == "kda" and c.gate_in_kernel:
+            if c.has_A:
+                A = _rm(dt[c.a_dtype], (HV,))
+            if c.has_bias:
+                dt_bias = _rm(dt[c.bias_dtype], (cute.sym_int32(divisibility=K),), assumed_align=16)
+        inner = (V, K) if c.state_v_first else (K, V)
+        h0 = ht = None
+        if c.has_h0:
+            P = cute.sym_int32()
+            sp = cute.sym_int64(divisibility=4)
+            h0 = make_fake_tensor(cutlass.Float32, (P, HV, *inner), (sp, K * V, inner[1], 1),
+                                  assumed_align=16)
+        if c.pool == 0 and c.has_ht:
+            NS = cute.sym_int32()
+            ht = make_fake_tensor(cutlass.Float32, (NS, HV, *inner),
+                                  (cute.sym_int64(divisibility=4), K * V, inner[1], 1),
+                                  assumed_align=16)
+        cu = _rm(dt[c.cu_dtype], (cute.sym_int32(),)) if c.varlen else None
+        idx = na = None
+        if c.pool == 1:
+            idx = _rm(dt[c.idx_dtype], (cute.sym_int32(),))
+        elif c.pool == 2:
+            idx = make_fake_tensor(dt[c.idx_dtype], (cute.sym_int32(), cute.sym_int32()),
+                                   (cute.sym_int32(), 1))
+        if c.pool and c.spec:
+            na = _rm(dt[c.na_dtype], (cute.sym_int32(),))
+        return (q, k, v, g, beta, A, dt_bias, h0, ht, o, cu, idx, na,
+                Float32(1.0), Float32(-1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
+
+    def expect_ptx(self):
+        c = self.cfg
+        e = ["ld.global.v4.b32", "st.global.v4.b32", "shfl.sync.bfly", ".target sm_90a"]
+        if c.mode == "kda" or True:
+            e.append("ex2.approx")
+        if c.l2norm:
+            e.append("rsqrt")
+        return tuple(e)
+
+    def spec(self) -> KernelSpec:
+        def build():
+            return self.jit_fn(), self.fake_args()
+
+        return KernelSpec("recurrent_decode", self.cfg.key(), build, expect_ptx=self.expect_ptx())
+
+
+_fn_cache: dict = {}
+
+
+def get_kernel(cfg: DecodeConfig):
+    """Compiled TVM-FFI callable for a config (process cache in front of fla_cula.jit)."""
+    fn = _fn_cache.get(cfg)
+    if fn is None:
+        fn = get_compiled(RecurrentDecode(cfg).spec())
+        _fn_cache[cfg] = fn
+    return fn
+
+
+def representative_configs() -> list:
+    C = DecodeConfig
+    out = []
+    for vf in (False, True):
+        # KDA serving shapes: gate in kernel, l2norm, beta sigmoid, pool with 2-D indices + spec
+        out.append(C(mode="kda", state_v_first=vf, l2norm=True, gate_in_kernel=True, has_A=True,
+                     has_bias=True, has_lower_bound=False, beta_sigmoid=True, pool=2, spec=True,
+                     has_ht=False, varlen=True))
+        out.append(C(mode="kda", state_v_first=vf, l2norm=True, gate_in_kernel=True, has_A=True,
+                     has_bias=True, has_lower_bound=True, beta_sigmoid=True, neg_eigval=True,
+                     pool=1, has_ht=False, idx_dtype="int64"))
+        # fixed batch, precomputed gate, fp32 beta, final state
+        out.append(C(mode="kda", state_v_first=vf, g_dtype="float32", beta_dtype="float32"))
+        # lightning: fixed and varlen
+        out.append(C(mode="lightning", state_v_first=vf, g_dtype="float32", beta_dtype="float32"))
+        out.append(C(mode="lightning", state_v_first=vf, g_dtype="float32", beta_dtype="float32",
+                     varlen=True, cu_dtype="int64", has_h0=False))
+    return out
+
+
+@register_kernel("recurrent_decode")
+def _specs() -> list:
+    return [RecurrentDecode(c).spec() for c in representative_configs()]

@@ -1,0 +1,261 @@
+"""GPU tests of the KDA / lightning decode kernels through the public ops, in strict mode.
+
+Every case: fresh random inputs, outputs poisoned with NaN, fp64 reference (fla_cula.reference)
+within relative RMS 0.002 for outputs and float32 states, and FLA's own result within FLA's test
+tolerance (0.005) of the same reference where FLA's semantics are defined.
+
+    pytest -m gpu tests/gpu/test_decode_kernels.py     (strict mode is set per test)
+Timing lives in `python -m benchmarks`.
+"""
+
+
+import pytest
+import torch
+
+_HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not _HAS_SM90, reason="needs a CUDA SM90 (Hopper) device")]
+
+
+@pytest.fixture(autouse=True)
+def _strict(monkeypatch):
+    """A silent fallback to FLA fails these tests."""
+    monkeypatch.setenv("FLA_CULA_STRICT", "1")
+
+TOL = 0.002
+DEV = "cuda"
+
+
+def _rr(ref, x):
+    from fla_cula.reference.compare import rel_rms
+    return rel_rms(ref, x)
+
+
+def _inputs(B, T, H, HV, dtype=torch.bfloat16, gate="none", seed=0):
+    g_ = torch.Generator(device=DEV).manual_seed(seed)
+    K = V = 128
+    q = torch.randn(B, T, H, K, device=DEV, generator=g_).to(dtype)
+    k = torch.randn(B, T, H, K, device=DEV, generator=g_).to(dtype)
+    v = torch.randn(B, T, HV, V, device=DEV, generator=g_).to(dtype)
+    if gate == "none":   # precomputed log decay
+        g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, K, device=DEV, generator=g_) + 3).to(dtype)
+    else:                # raw gate input
+        g = torch.randn(B, T, HV, K, device=DEV, generator=g_).to(dtype)
+    beta = torch.rand(B, T, HV, device=DEV, generator=g_).to(dtype)
+    A_log = torch.rand(HV, device=DEV, generator=g_) * 0.5
+    dt_bias = torch.randn(HV * K, device=DEV, generator=g_) * 0.1
+    return q, k, v, g, beta, A_log, dt_bias
+
+
+def _nan_like(x):
+    return torch.full_like(x, float("nan"))
+
+
+GATES = {
+    "precomputed": dict(use_gate_in_kernel=False),
+    "softplus": dict(use_gate_in_kernel=True, A_log=True, dt_bias=True),
+    "softplus_nobias": dict(use_gate_in_kernel=True, A_log=True),
+    "lb_A_bias": dict(use_gate_in_kernel=True, A_log=True, dt_bias=True, lower_bound=-5.0),
+    "lb_noA": dict(use_gate_in_kernel=True, dt_bias=True, lower_bound=-3.0),
+}
+
+
+def _kw(gname, A_log, dt_bias):
+    d = dict(GATES[gname])
+    d["A_log"] = A_log if d.get("A_log") else None
+    d["dt_bias"] = dt_bias if d.get("dt_bias") else None
+    return d
+
+
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("T", [1, 2, 4, 8])
+@pytest.mark.parametrize("vf", [False, True], ids=["kv", "vk"])
+@pytest.mark.parametrize("gname", list(GATES))
+@pytest.mark.parametrize("flags", ["plain", "l2_sig", "l2_sig_neg"])
+def test_kda_fused_recurrent(T, vf, gname, flags):
+    from fla_cula.ops.kda import FLA_FUSED_RECURRENT_KDA, fused_recurrent_kda
+    from fla_cula.reference import kda_recurrent
+    B, H, HV = 3, 2, 4
+    q, k, v, g, beta, A_log, dt_bias = _inputs(B, T, H, HV, gate="none" if gname == "precomputed" else "raw",
+                                               seed=T * 7 + vf)
+    f = dict(use_qk_l2norm_in_kernel=flags != "plain", use_beta_sigmoid_in_kernel=flags != "plain",
+             allow_neg_eigval=flags == "l2_sig_neg")
+    if flags == "plain":  # keep the unnormalized recurrence bounded
+        k = (k.float() / k.float().norm(dim=-1, keepdim=True)).to(k.dtype)
+    h0 = torch.randn(B, HV, 128, 128, device=DEV)
+    kw = dict(_kw(gname, A_log, dt_bias), **f, state_v_first=vf)
+    o, ht = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0.clone(), output_final_state=True, **kw)
+    ro, rht = kda_recurrent(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
+    assert o.dtype == v.dtype and ht.dtype == torch.float32
+    assert _rr(ro, o) <= TOL and _rr(rht, ht) <= TOL, (_rr(ro, o), _rr(rht, ht))
+    fo, fht = FLA_FUSED_RECURRENT_KDA(q, k, v, g, beta, initial_state=h0.clone(), output_final_state=True, **kw)
+    assert _rr(ro, fo) <= 0.005 and _rr(rht, fht) <= 0.005
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kda_dtypes_gva(dtype):
+    from fla_cula.ops.kda import fused_recurrent_kda
+    from fla_cula.reference import kda_recurrent
+    q, k, v, g, beta, A_log, dt_bias = _inputs(2, 3, 2, 8, dtype=dtype, gate="raw")
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+              use_beta_sigmoid_in_kernel=True)
+    h0 = torch.randn(2, 8, 128, 128, device=DEV)
+    o, ht = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
+    ro, rht = kda_recurrent(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
+    assert _rr(ro, o) <= TOL and _rr(rht, ht) <= TOL
+
+
+@pytest.mark.parametrize("vf", [False, True], ids=["kv", "vk"])
+@pytest.mark.parametrize("with_h0", [True, False])
+def test_kda_varlen_empty_and_single(vf, with_h0):
+    from fla_cula.ops.kda import fused_recurrent_kda
+    from fla_cula.reference import kda_recurrent
+    lens = [3, 1, 0, 4, 2]
+    Tt = sum(lens)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=DEV, dtype=torch.int32)
+    q, k, v, g, beta, A_log, dt_bias = _inputs(1, Tt, 2, 4, gate="raw", seed=3)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+              lower_bound=-5.0, use_beta_sigmoid_in_kernel=True, state_v_first=vf)
+    h0 = torch.randn(len(lens), 4, 128, 128, device=DEV) if with_h0 else None
+    o, ht = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                cu_seqlens=cu, **kw)
+    ro, rht = kda_recurrent(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                            cu_seqlens=cu.long(), **kw)
+    assert _rr(ro, o) <= TOL and _rr(rht, ht) <= TOL
+    if with_h0:  # the empty sequence passes its state through exactly
+        assert torch.equal(ht[2], h0[2])
+
+
+def _pool_case(vf, spec, idx_dtype, T=3, N=4, P=17):
+    q, k, v, g, beta, A_log, dt_bias = _inputs(N, T, 2, 4, gate="raw", seed=11 + spec)
+    pool = torch.randn(P, 4, 128, 128, device=DEV)
+    perm = torch.randperm(P, device=DEV)[:N * T].reshape(N, T).to(idx_dtype)
+    perm[2, :] = -1                      # a padding sequence: read slot negative
+    perm[1, T - 1] = -1                  # a skipped write for one token
+    na = torch.tensor([1, 2, 1, 3][:N], device=DEV, dtype=torch.int32) if spec else None
+    if spec:
+        perm[3, 2] = perm[3, 2].abs()    # read slot of seq 3 (num_accepted 3) is valid
+    return q, k, v, g, beta, A_log, dt_bias, pool, perm, na
+
+
+@pytest.mark.parametrize("vf", [False, True], ids=["kv", "vk"])
+@pytest.mark.parametrize("spec", [False, True], ids=["nospec", "spec"])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_kda_pool_2d(vf, spec, idx_dtype):
+    from fla_cula.ops.kda import fused_recurrent_kda_fwd
+    from fla_cula.reference import kda_decode_pool
+    q, k, v, g, beta, A_log, dt_bias, pool, idx, na = _pool_case(vf, spec, idx_dtype)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+              use_beta_sigmoid_in_kernel=True, state_v_first=vf, scale=0.1)
+    before = pool.clone()
+    out = _nan_like(v)
+    o, fs = fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, inplace_final_state=True,
+                                    ssm_state_indices=idx, num_accepted_tokens=na, out=out, **kw)
+    assert o is out and fs is pool
+    ro, rpool = kda_decode_pool(q, k, v, g, beta, initial_state=before, inplace_final_state=True,
+                                ssm_state_indices=idx, num_accepted_tokens=na, **kw)
+    live = [0, 1, 3]
+    assert _rr(ro[live], o[live]) <= TOL
+    assert torch.all(o[2] == 0)          # padding sequence: zeros, no NaN
+    written = set(int(s) for s in idx.flatten().tolist() if s >= 0)
+    for s in range(pool.shape[0]):
+        if s in written:
+            assert _rr(rpool[s], pool[s]) <= TOL, s
+        else:
+            assert torch.equal(pool[s], before[s]), f"slot {s} not addressed but changed"
+
+
+def test_kda_pool_1d_decode():
+    from fla_cula.ops.kda import fused_recurrent_kda_fwd
+    from fla_cula.reference import kda_decode_pool
+    N, P = 6, 9
+    q, k, v, g, beta, A_log, dt_bias = _inputs(N, 1, 2, 4, gate="raw", seed=5)
+    pool = torch.randn(P, 4, 128, 128, device=DEV)
+    idx = torch.tensor([3, -1, 0, 8, 5, -1], device=DEV, dtype=torch.int32)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, lower_bound=-5.0,
+              use_beta_sigmoid_in_kernel=True)
+    before = pool.clone()
+    o, _ = fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, ssm_state_indices=idx, **kw)
+    ro, rpool = kda_decode_pool(q, k, v, g, beta, initial_state=before, ssm_state_indices=idx, **kw)
+    live = [0, 2, 3, 4]
+    assert _rr(ro[live], o[live]) <= TOL
+    for s in range(P):
+        if s in (3, 0, 8, 5):
+            assert _rr(rpool[s], pool[s]) <= TOL
+        else:
+            assert torch.equal(pool[s], before[s])
+
+
+def test_kda_inplace_no_indices_and_graph():
+    """fused_recurrent_kda_fwd default (inplace, no indices) + CUDA-graph capture/replay == eager."""
+    from fla_cula.ops.kda import fused_recurrent_kda_fwd
+    from fla_cula.reference import kda_recurrent
+    B, T = 4, 2
+    q, k, v, g, beta, A_log, dt_bias = _inputs(B, T, 4, 4, gate="raw", seed=9)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+              use_beta_sigmoid_in_kernel=True)
+    h0 = torch.randn(B, 4, 128, 128, device=DEV)
+    ref_o, ref_s = kda_recurrent(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
+    state = h0.clone()
+    out = _nan_like(v)
+    o, fs = fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=state, out=out, **kw)
+    assert fs is state and _rr(ref_o, o) <= TOL and _rr(ref_s, state) <= TOL
+    eager_o, eager_s = o.clone(), state.clone()
+    # graph
+    state.copy_(h0)
+    out.fill_(float("nan"))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=state, out=out, **kw)  # warm
+    torch.cuda.current_stream().wait_stream(s)
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=state, out=out, **kw)
+    state.copy_(h0)
+    out.fill_(float("nan"))
+    gr.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager_o) and torch.equal(state, eager_s)
+
+
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("vf", [False, True], ids=["kv", "vk"])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_lightning(T, vf, varlen):
+    from fla_cula.ops.lightning_attn import fused_recurrent_lightning_attn, fused_recurrent_simple_gla
+    from fla_cula.reference import lightning_recurrent, simple_gla_recurrent
+    from fla_cula.reference.lightning import lightning_g_gamma
+    B, H = 3, 4
+    q, k, v, *_ = _inputs(B, T, H, H, seed=T)
+    k = (k.float() / k.float().norm(dim=-1, keepdim=True)).to(k.dtype)
+    cu = None
+    h0 = torch.randn(B, H, 128, 128, device=DEV)
+    if varlen:
+        q, k, v = (x.reshape(1, B * T, H, 128) for x in (q, k, v))
+        cu = torch.tensor([0, T, T, B * T - 1, B * T], device=DEV, dtype=torch.int64)
+        h0 = torch.randn(4, H, 128, 128, device=DEV)
+    if not vf:
+        o, ht = fused_recurrent_lightning_attn(q, k, v, 3, 24, initial_state=h0, output_final_state=True,
+                                               cu_seqlens=cu)
+        ro, rht = lightning_recurrent(q, k, v, 3, 24, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    else:
+        gg = lightning_g_gamma(H, 3, 24, device=DEV).float()
+        o, ht = fused_recurrent_simple_gla(q, k, v, g_gamma=gg, initial_state=h0, output_final_state=True,
+                                           state_v_first=True, cu_seqlens=cu)
+        ro, rht = simple_gla_recurrent(q, k, v, gg, initial_state=h0, output_final_state=True,
+                                       state_v_first=True, cu_seqlens=cu)
+    assert o.dtype == q.dtype
+    assert _rr(ro, o) <= TOL and _rr(rht, ht) <= TOL, (_rr(ro, o), _rr(rht, ht))
+
+
+def test_lightning_no_initial_state():
+    from fla_cula.ops.lightning_attn import fused_recurrent_lightning_attn
+    from fla_cula.reference import lightning_recurrent
+    q, k, v, *_ = _inputs(2, 2, 4, 4, seed=1)
+    o, ht = fused_recurrent_lightning_attn(q, k, v, 0, 4, output_final_state=True)
+    ro, rht = lightning_recurrent(q, k, v, 0, 4, output_final_state=True)
+    assert _rr(ro, o) <= TOL and _rr(rht, ht) <= TOL
+
+
+# ---------------------------------------------------------------------------------------------
