@@ -58,30 +58,55 @@ def _vw(t):
     return min(16, cute.size(t) * t.element_type.width // 8)
 
 
-def _vec(t, shape, coord):
-    tile = cute.local_tile(t, shape, coord)
-    return _al(tile, _vw(tile))
+def _kvec(row, kl):
+    """Thread's 8 K-elements of a length-K row: k in {4kl..4kl+3} U {64+4kl..64+4kl+3}.
+    Two 4-element vectors; across 16 lanes each vector load covers 64 contiguous elements."""
+    v = cute.make_tensor(row.iterator + 4 * kl, cute.make_layout((4, 2), stride=(1, 64)))
+    return _al(v, min(16, 4 * row.element_type.width // 8))
 
 
-def _load_state(VF, src2d, rS, rT, vc, kl):
-    """Thread fragment of one (slot, hv) state: src2d is its (K, V) or (V, K) view."""
+def _vvec(row, vc):
+    """Thread's 4 V-elements [4vc, 4vc+4) of a length-V row (one vector)."""
+    tile = cute.local_tile(row, (4,), (vc,))
+    return _al(tile, min(16, 4 * row.element_type.width // 8))
+
+
+def _state_view(VF, t2d, vc, kl):
+    """Thread's 32-element state fragment as a 16-byte-aligned strided view.
+    [K,V] (VF False): shape (8 k, 4 v), k = 4kl + (i%4) + 64(i//4), one float4 along V per row.
+    [V,K] (VF True):  shape (4 v, 8 k), two float4 along K per row; 16 lanes read 256 contiguous
+    bytes per instruction (fully coalesced)."""
     if VF:
-        cute.autovec_copy(_al(cute.local_tile(src2d, (4, 8), (vc, kl)), 16), rT)
-        for i in range(8):
-            for jj in range(4):
-                rS[i, jj] = rT[jj, i]
+        kk = t2d.shape[1]
+        lay = cute.make_layout((4, (4, 2)), stride=(kk, (1, 64)))
+        off = 4 * vc * kk + 4 * kl
     else:
-        cute.autovec_copy(_al(cute.local_tile(src2d, (8, 4), (kl, vc)), 16), rS)
+        vv = t2d.shape[1]
+        lay = cute.make_layout(((4, 2), 4), stride=((vv, 64 * vv), 1))
+        off = 4 * kl * vv + 4 * vc
+    return _al(cute.make_tensor(t2d.iterator + off, lay), 16)
 
 
-def _store_state(VF, dst2d, rS, rT, vc, kl):
+def _sget(rS, VF, i, j):
+    """State element (k = kmap(i), v = 4vc + j) of the thread fragment, in either layout."""
+    return rS[j, i] if VF else rS[i, j]
+
+
+def _sset(rS, VF, i, j, x):
     if VF:
-        for i in range(8):
-            for jj in range(4):
-                rT[jj, i] = rS[i, jj]
-        cute.autovec_copy(rT, _al(cute.local_tile(dst2d, (4, 8), (vc, kl)), 16))
+        rS[j, i] = x
     else:
-        cute.autovec_copy(rS, _al(cute.local_tile(dst2d, (8, 4), (kl, vc)), 16))
+        rS[i, j] = x
+
+
+def _load_tok(KDA, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt, b, tok, hq, hv, kl, vc):
+    """Issue one token's input loads (q, k, v; for KDA also g and beta) into registers."""
+    cute.autovec_copy(_kvec(mQ[b, tok, hq, None], kl), rq8)
+    cute.autovec_copy(_kvec(mK[b, tok, hq, None], kl), rk8)
+    cute.autovec_copy(_vvec(mV[b, tok, hv, None], vc), rv4)
+    if KDA:
+        cute.autovec_copy(_kvec(mG[b, tok, hv, None], kl), rg8)
+        rbt[0] = Float32(mBeta[b, tok, hv])
 
 
 @dataclass(frozen=True)
@@ -115,6 +140,8 @@ class DecodeConfig:
     beta_sigmoid: bool = False
     neg_eigval: bool = False
     bv: int = 32                   # value columns per CTA (multiple of 8)
+    prefetch_next: bool = True     # load token t+1's inputs while token t computes (T > 1)
+    min_ctas: int = 0              # >0: ask ptxas for this many CTAs per SM (caps registers)
 
     def key(self):
         return tuple((f.name, getattr(self, f.name)) for f in fields(self))
@@ -208,8 +235,10 @@ class RecurrentDecode:
                 if rslot < 0 or rslot >= Int64(npool) or Tn == 0:
                     active = Int32(0)
 
-            # ---- registers ----
-            rS = cute.make_rmem_tensor((8, 4), f32)       # [i: k = 8kl+i][j: v = 4vc+j]
+            # ---- registers: state fragment + one token's raw inputs (prefetch buffers) ----
+            # rS holds the thread's 32 state elements; S(i, j) names element (k=kmap(i), v=4vc+j)
+            # in either layout (trace-time index swap, no data movement).
+            rS = cute.make_rmem_tensor((4, 8) if VF else (8, 4), f32)
             rS.fill(0.0)
             rq8 = cute.make_rmem_tensor((8,), mQ.element_type)
             rk8 = cute.make_rmem_tensor((8,), mK.element_type)
@@ -217,13 +246,15 @@ class RecurrentDecode:
             ro4 = cute.make_rmem_tensor((4,), mO.element_type)
             rdec = cute.make_rmem_tensor((8,), f32)
             rg8 = cute.make_rmem_tensor((8,), mG.element_type if KDA else f32)
-            rT = cute.make_rmem_tensor((4, 8), f32)  # staging in [j][i] order for [V,K]
+            rg8.fill(0.0)
+            rbt = cute.make_rmem_tensor((1,), f32)
+            rbt[0] = f32(0.0)
 
             if active != 0:
-                if cutlass.const_expr(cfg.has_h0):
-                    _load_state(VF, mH0[rslot, hv, None, None], rS, rT, vc, kl)
-
-                # per-head constants
+                # Issue order = latency order: token 0's inputs and the per-head constants first,
+                # then the 16 KiB state stream; nothing below waits until the decay multiply.
+                if Tn > 0:
+                    _load_tok(KDA, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt, b, bos, hq, hv, kl, vc)
                 gam = f32(0.0)
                 if cutlass.const_expr(not KDA):
                     gam = fexp(f32(mG[hq]))
@@ -234,21 +265,26 @@ class RecurrentDecode:
                 rbias.fill(0.0)
                 if cutlass.const_expr(KDA and cfg.gate_in_kernel and cfg.has_bias):
                     rb8 = cute.make_rmem_tensor((8,), mBias.element_type)
-                    cute.autovec_copy(_vec(mBias, (8,), (hv * (K // 8) + kl,)), rb8)
+                    cute.autovec_copy(_kvec(cute.local_tile(mBias, (K,), (hv,)), kl), rb8)
                     rbias.store(rb8.load().to(f32))
+                if cutlass.const_expr(cfg.has_h0):
+                    cute.autovec_copy(_state_view(VF, mH0[rslot, hv, None, None], vc, kl), rS)
 
                 for t in cutlass.range(Tn, unroll=1):
-                    tok = bos + t
-                    cute.autovec_copy(_vec(mQ[b, tok, hq, None], (8,), (kl,)), rq8)
-                    cute.autovec_copy(_vec(mK[b, tok, hq, None], (8,), (kl,)), rk8)
-                    cute.autovec_copy(_vec(mV[b, tok, hv, None], (4,), (vc,)), rv4)
+                    if cutlass.const_expr(not cfg.prefetch_next) and t > 0:
+                        _load_tok(KDA, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt,
+                                  b, bos + t, hq, hv, kl, vc)
                     qf = rq8.load().to(f32)
                     kf = rk8.load().to(f32)
                     vf = rv4.load().to(f32)
+                    gf = rg8.load().to(f32)
+                    bt = rbt[0]
+                    if cutlass.const_expr(cfg.prefetch_next) and t + 1 < Tn:
+                        # prefetch the next token: its latency leaves the serial chain
+                        _load_tok(KDA, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt,
+                                  b, bos + t + 1, hq, hv, kl, vc)
                     # ---- decay ----
                     if cutlass.const_expr(KDA):
-                        cute.autovec_copy(_vec(mG[b, tok, hv, None], (8,), (kl,)), rg8)
-                        gf = rg8.load().to(f32)
                         for i in cutlass.range_constexpr(8):
                             gi = gf[i]
                             if cutlass.const_expr(cfg.gate_in_kernel):
@@ -257,29 +293,29 @@ class RecurrentDecode:
                                     gi = lower_bound * sigmoid(aexp * gi)
                                 else:
                                     sp = gi
-                                    if gi <= f32(20.0):
+                                    if gi <= f32(20.0):  # FLA's softplus threshold
                                         sp = cute.math.log2(f32(1.0) + fexp(gi), fastmath=True) * LN2
                                     gi = -aexp * sp
                             rdec[i] = fexp(gi)
                         for i in cutlass.range_constexpr(8):
                             for jj in cutlass.range_constexpr(4):
-                                rS[i, jj] = rS[i, jj] * rdec[i]
+                                _sset(rS, VF, i, jj, _sget(rS, VF, i, jj) * rdec[i])
                     else:
                         for i in cutlass.range_constexpr(8):
                             for jj in cutlass.range_constexpr(4):
-                                rS[i, jj] = rS[i, jj] * gam
-                    # ---- one batched reduction over K ----
+                                _sset(rS, VF, i, jj, _sget(rS, VF, i, jj) * gam)
+                    # ---- one batched reduction over K (16 lanes hold all of K) ----
                     NR = 4 + (4 if KDA else 0) + 1 + (2 if cfg.l2norm else 0)
                     red = cute.make_rmem_tensor((NR,), f32)
                     for jj in cutlass.range_constexpr(4):
                         aq = f32(0.0)
                         for i in cutlass.range_constexpr(8):
-                            aq = aq + rS[i, jj] * qf[i]
+                            aq = aq + _sget(rS, VF, i, jj) * qf[i]
                         red[jj] = aq
                         if cutlass.const_expr(KDA):
                             ak = f32(0.0)
                             for i in cutlass.range_constexpr(8):
-                                ak = ak + rS[i, jj] * kf[i]
+                                ak = ak + _sget(rS, VF, i, jj) * kf[i]
                             red[4 + jj] = ak
                     base = 8 if KDA else 4
                     kq = f32(0.0)
@@ -297,7 +333,7 @@ class RecurrentDecode:
                     for sh in cutlass.range_constexpr(4):
                         for r in cutlass.range_constexpr(NR):
                             red[r] = red[r] + cute.arch.shuffle_sync_bfly(red[r], offset=1 << sh)
-                    # ---- token update ----
+                    # ---- token update: u = beta (v - S'^T k);  o = S'^T q + (k.q) u;  S += k u^T ----
                     rqn = scale
                     rkn = f32(1.0)
                     if cutlass.const_expr(cfg.l2norm):
@@ -306,7 +342,6 @@ class RecurrentDecode:
                     kqn = red[base] * rkn
                     ru = cute.make_rmem_tensor((4,), f32)
                     if cutlass.const_expr(KDA):
-                        bt = f32(mBeta[b, tok, hv])
                         if cutlass.const_expr(cfg.beta_sigmoid):
                             bt = sigmoid(bt)
                             if cutlass.const_expr(cfg.neg_eigval):
@@ -321,9 +356,9 @@ class RecurrentDecode:
                     for i in cutlass.range_constexpr(8):
                         ki = kf[i] * rkn
                         for jj in cutlass.range_constexpr(4):
-                            rS[i, jj] = rS[i, jj] + ki * ru[jj]
+                            _sset(rS, VF, i, jj, _sget(rS, VF, i, jj) + ki * ru[jj])
                     if kl == 0:
-                        cute.autovec_copy(ro4, _vec(mO[b, tok, hv, None], (4,), (vc,)))
+                        cute.autovec_copy(ro4, _vvec(mO[b, bos + t, hv, None], vc))
                     # ---- per-token state write into the pool (FLA continuous batching) ----
                     if cutlass.const_expr(POOL != 0):
                         ws = Int64(-1)
@@ -335,10 +370,10 @@ class RecurrentDecode:
                             if t < mIdx.shape[1]:
                                 ws = Int64(mIdx[n, t])
                         if ws >= 0 and ws < Int64(mH0.shape[0]):
-                            _store_state(VF, mH0[ws, hv, None, None], rS, rT, vc, kl)
+                            cute.autovec_copy(rS, _state_view(VF, mH0[ws, hv, None, None], vc, kl))
 
                 if cutlass.const_expr(POOL == 0 and cfg.has_ht):
-                    _store_state(VF, mHt[n, hv, None, None], rS, rT, vc, kl)
+                    cute.autovec_copy(rS, _state_view(VF, mHt[n, hv, None, None], vc, kl))
             else:
                 # padding / empty sequence: touch no state; zero its output rows
                 if cutlass.const_expr(POOL != 0):
@@ -346,8 +381,7 @@ class RecurrentDecode:
                         ro4[jj] = f32(0.0).to(mO.element_type)
                     if kl == 0:
                         for t in cutlass.range(Tn, unroll=1):
-                            cute.autovec_copy(
-                                ro4, _vec(mO[b, bos + t, hv, None], (4,), (vc,)))
+                            cute.autovec_copy(ro4, _vvec(mO[b, bos + t, hv, None], vc))
 
         @cute.jit
         def launch(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
@@ -360,7 +394,9 @@ class RecurrentDecode:
                 nseq = mQ.shape[0]
             kernel(mQ, mK, mV, mG, mBeta, mA, mBias, mH0, mHt, mO, mCu, mIdx, mNa,
                    scale, lower_bound).launch(
-                grid=[V // BV, mV.shape[2], nseq], block=[NTHR, 1, 1], stream=stream)
+                grid=[V // BV, mV.shape[2], nseq], block=[NTHR, 1, 1], stream=stream,
+                # no shared memory: prefer the whole carveout as L1; optional CTA-per-SM floor
+                min_blocks_per_mp=cfg.min_ctas, preferred_smem_carveout=0)
 
         return launch
 
@@ -417,12 +453,14 @@ class RecurrentDecode:
                 Float32(1.0), Float32(-1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
 
     def expect_ptx(self):
+        """What the PTX must hold: 16-byte state loads (when a state is read) and stores, the
+        butterfly reduction, the fast exp2; rsqrt with l2norm."""
         c = self.cfg
-        e = ["ld.global.v4.b32", "st.global.v4.b32", "shfl.sync.bfly", ".target sm_90a"]
-        if c.mode == "kda" or True:
-            e.append("ex2.approx")
+        e = [r"st\.global\.v4\.b32", r"shfl\.sync\.bfly", r"ex2\.approx"]
+        if c.has_h0:
+            e.append(r"ld\.global\.v4\.b32")
         if c.l2norm:
-            e.append("rsqrt")
+            e.append(r"rsqrt")
         return tuple(e)
 
     def spec(self) -> KernelSpec:
