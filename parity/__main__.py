@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--match", help="only cases whose id contains this substring")
     p.add_argument("--seed", type=int, default=None, help="run seed (default: from the clock; recorded in the report)")
     p.add_argument("--list", action="store_true", help="print the case ids and exit")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds: start no new case after this; the report lists what did not run (exit 3)")
     args = p.parse_args(argv)
 
     seed = args.seed if args.seed is not None else int(time.time()) % 100000
@@ -64,13 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     op_t0, cur_op = t0, None
     fatal = False
+    not_run: list[str] = []
     for i, case in enumerate(cases):
+        if args.budget is not None and time.perf_counter() - t0 > args.budget:
+            not_run = [c.id for c in cases[i:]]
+            print(f"parity: budget of {args.budget:.0f} s reached; {len(not_run)} cases not run", flush=True)
+            break
         if case.op != cur_op:
             if cur_op is not None:
                 print(f"  [{cur_op}: {time.perf_counter() - op_t0:.1f} s]", flush=True)
                 report.write(records, header, args.out, args.tag)  # partial report survives a crash
             cur_op, op_t0 = case.op, time.perf_counter()
-        if case.padded:  # written first: FLA-mishandled inputs run last and could crash the process
+        if case.padded:  # report written first: a padding-slot case could crash the process
             report.write(records, header, args.out, args.tag)
         rec = run_case(case, cula_fns, fla_fns, device, seed)
         records.append(rec)
@@ -84,12 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     if cur_op is not None:
         print(f"  [{cur_op}: {time.perf_counter() - op_t0:.1f} s]", flush=True)
     header["wall time"] = f"{time.perf_counter() - t0:.1f} s" + (" (stopped early: CUDA error)" if fatal else "")
+    if not_run:
+        header["INCOMPLETE"] = (f"time budget {args.budget:.0f} s reached: {len(not_run)} of {len(cases)} cases "
+                                f"not run (first: {not_run[0]}; last: {not_run[-1]})")
     md, js = report.write(records, header, args.out, args.tag)
     s = report.summarize(records)
     print(f"parity: {s['cases']} cases, {s['passed']} passed, {s['failed']} failed, "
           f"{s['kernel_routed']} kernel-routed; fallbacks {s['fallbacks_by_reason']}", flush=True)
     print(f"parity: wrote {md} and {js}", flush=True)
-    return 1 if (s["failed"] or fatal) else 0
+    if s["failed"] or fatal:
+        return 1
+    return 3 if not_run else 0
 
 
 if __name__ == "__main__":

@@ -18,12 +18,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+# Run order: the kernel-routed decode ops first, then the prefill ops (FLA fallbacks today) whose
+# Triton autotuning costs minutes per new flag combination on a fresh machine.
 OPS = (
-    "chunk_kda",
-    "fused_recurrent_kda",
     "fused_recurrent_kda_fwd",
-    "chunk_lightning_attn",
+    "fused_recurrent_kda",
     "fused_recurrent_lightning_attn",
+    "chunk_lightning_attn",
+    "chunk_kda",
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -5,8 +5,9 @@
 #
 #   source /opt/gpu-env.sh && bash scripts/gpu_check.sh "$OUT"
 #
-# OUTDIR receives 6 files (the device tool brings back at most 8): gpu_check.log, junit_gpu.xml,
-# REPORT_H200.md, report_H200.json, BENCHMARK_H200.md, benchmark_H200.json.
+# OUTDIR receives 7 files (the device tool brings back at most 8): gpu_check.log, junit_gpu.xml,
+# REPORT_H200.md, report_H200.json, BENCHMARK_H200.md, benchmark_H200.json, triton_autotune.tgz
+# (carry it back as .tcache/triton_autotune.tgz next time to skip FLA's autotuning).
 # Per-step time limits (seconds) and extra arguments can be overridden from the environment:
 #   T_BUILD T_INFO T_PYTEST T_PARITY T_BENCH; PARITY_ARGS (e.g. "--quick"), BENCH_ARGS, PYTEST_ARGS.
 set -u
@@ -49,13 +50,26 @@ build() {
   pip install --no-build-isolation --no-deps -e . || python setup.py build_ext --inplace
 }
 
+# Triton autotune results from an earlier run (FLA's chunk kernels autotune for minutes on a fresh
+# machine): restore them if carried in .tcache/, and save this run's into OUTDIR at the end.
+TRITON_CACHE="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
+if [ -f .tcache/triton_autotune.tgz ]; then
+  mkdir -p "$TRITON_CACHE" && tar xzf .tcache/triton_autotune.tgz -C "$TRITON_CACHE" && \
+    echo "restored $(tar tzf .tcache/triton_autotune.tgz | wc -l) Triton autotune results" | tee -a "$LOG"
+fi
+# GPU tests in parallel processes when pytest-xdist is there: kernel compiles dominate their time
+XDIST=""; python -c "import xdist" 2>/dev/null && XDIST="-n ${PYTEST_WORKERS:-8}"
+
 want build && step build "$T_BUILD" bash -c "$(declare -f build); build"
 want info && step info "$T_INFO" python -m fla_cula info
 want pytest && step pytest "$T_PYTEST" python -m pytest tests/gpu tests/test_extension.py -q -rs -p no:cacheprovider \
-  --junitxml="$OUTDIR/junit_gpu.xml" ${PYTEST_ARGS:-}
-want parity && step parity "$T_PARITY" python -m parity --out "$OUTDIR" ${PARITY_ARGS:-}
+  $XDIST --junitxml="$OUTDIR/junit_gpu.xml" ${PYTEST_ARGS:-}
+# parity stops starting cases 25 s before its limit and reports what it did not run (exit 3)
+want parity && step parity "$T_PARITY" python -m parity --out "$OUTDIR" --budget $((T_PARITY - 25)) ${PARITY_ARGS:-}
 want bench && step benchmarks "$T_BENCH" python -m benchmarks --quick --out "$OUTDIR" ${BENCH_ARGS:-}
 
+( cd "$TRITON_CACHE" 2>/dev/null && find . -name "*.autotune.json" | tar czf "$OUTDIR/triton_autotune.tgz" -T - ) \
+  2>/dev/null || true
 {
   echo
   echo "================ gpu_check summary ($FLA_CULA_COMMIT) ================"
