@@ -79,7 +79,9 @@ def markdown(records: list[dict], header: dict, ceilings: dict, benches_meta: di
     L.append("## How to read")
     L.append("")
     L.append("- Times are `triton.testing.do_bench` medians (warm-up and first-call compile/autotune excluded). "
-             "`eager` = a plain Python call (measured FLA, fla_cula, fla_cula, FLA; each side keeps its faster median, so call order cannot favour either); `graph` = CUDA-graph replay of the same call (GPU time without "
+             "`eager` = a plain Python call (measured FLA, fla_cula, fla_cula, FLA; each side keeps its faster "
+             "median, so call order cannot favour either); `graph` = CUDA-graph replay of the same call "
+             "(GPU time without "
              "Python overhead); `fwd+bwd` = forward + backward.")
     L.append("- speedup = FLA time / fla_cula time. `route` is where fla_cula sent the call: `kernel`, or "
              "`fallback: <reason>` — then both columns run FLA's code and the speedup must read 1.00 ± noise "

@@ -15,6 +15,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import sys
 
 import torch
 
@@ -53,22 +54,24 @@ def _graph_us(fn) -> float:
 
 
 def _use(mod_rd, variant: dict):
-    """Route the host wrappers to `mod_rd` (a recurrent_decode module) with `variant` knobs."""
-    from fla_cula.kernels import kda_decode, lightning_decode
-    for host in (kda_decode, lightning_decode):
+    """Route the host wrappers to `mod_rd` (a recurrent_decode module) with `variant` tuning knobs."""
+    from fla_cula.kernels import kda_decode, lightning_decode, recurrent_decode
+    if mod_rd is recurrent_decode:
+        for host in (kda_decode, lightning_decode):
+            host.get_kernel, host.DecodeConfig = recurrent_decode.get_kernel, recurrent_decode.DecodeConfig
+        recurrent_decode.set_tuning(**variant)
+        return
+    names = {f.name for f in dataclasses.fields(mod_rd.DecodeConfig)}
+    for host in (kda_decode, lightning_decode):  # an older module: translate the configs it knows
         host._cfg_cache.clear()
-        host.get_kernel = lambda cfg, m=mod_rd: m.get_kernel(
-            m.DecodeConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-                              if f.name in {x.name for x in dataclasses.fields(m.DecodeConfig)}},
-                           **{k: v for k, v in variant.items()
-                              if k in {x.name for x in dataclasses.fields(m.DecodeConfig)}}))
-        if hasattr(host, "DecodeConfig"):
-            host.DecodeConfig = mod_rd.DecodeConfig
+        host.get_kernel = lambda cfg, m=mod_rd: m.get_kernel(m.DecodeConfig(
+            **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name in names}))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default='{"v2": {}, "v2_noprefetch": {"prefetch_next": false}}')
+    ap.add_argument("--variants", default='{"default": {}, "kv_rows": {"kv_rows": true}, '
+                                          '"noprefetch": {"prefetch_next": false}}')
     ap.add_argument("--old-module", default=None, help="file of an earlier recurrent_decode.py ('old' row)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--batches", default="1,8,32,128,256")
@@ -84,6 +87,7 @@ def main() -> None:
     if a.old_module:
         spec = importlib.util.spec_from_file_location("rd_old", a.old_module)
         old = importlib.util.module_from_spec(spec)
+        sys.modules["rd_old"] = old  # dataclasses look their module up while the class is built
         src = open(a.old_module).read().replace('KernelSpec("recurrent_decode"', 'KernelSpec("recurrent_decode_old"')
         exec(compile(src, a.old_module, "exec"), old.__dict__)
         mods = {"old": (old, {}), **mods}

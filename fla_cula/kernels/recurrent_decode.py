@@ -24,6 +24,7 @@ o and u use the identity o = S'^T q + (k.q) u, so a token needs ONE reduction pa
 S'^T q, k.q and, with l2norm, |q|^2, |k|^2 all in one batch of shuffles).
 """
 
+import dataclasses
 from dataclasses import dataclass, fields
 
 import cutlass
@@ -53,15 +54,15 @@ def _al(t, nbytes):
                                           assumed_align=nbytes), t.layout)
 
 
-def _vw(t):
-    """Alignment of a 4- or 8-element vector of t's element type, capped at 16 bytes."""
-    return min(16, cute.size(t) * t.element_type.width // 8)
-
-
-def _kvec(row, kl):
-    """Thread's 8 K-elements of a length-K row: k in {4kl..4kl+3} U {64+4kl..64+4kl+3}.
-    Two 4-element vectors; across 16 lanes each vector load covers 64 contiguous elements."""
-    v = cute.make_tensor(row.iterator + 4 * kl, cute.make_layout((4, 2), stride=(1, 64)))
+def _kvec(row, kb, KVROW):
+    """Thread's 8 K-elements of a length-K row (its K rows of the state).
+    Warp-K mapping (kb = kl): k in {4kl..4kl+3} U {64+4kl..64+4kl+3}, two 4-element vectors; across
+    16 lanes each vector load covers 64 contiguous elements.
+    Row mapping (KVROW, kb = 32 warp + 8 kr): the 8 contiguous k in [kb, kb+8), one vector."""
+    if KVROW:
+        v = cute.make_tensor(row.iterator + kb, cute.make_layout((8,), stride=(1,)))
+        return _al(v, min(16, 8 * row.element_type.width // 8))
+    v = cute.make_tensor(row.iterator + 4 * kb, cute.make_layout((4, 2), stride=(1, 64)))
     return _al(v, min(16, 4 * row.element_type.width // 8))
 
 
@@ -71,11 +72,17 @@ def _vvec(row, vc):
     return _al(tile, min(16, 4 * row.element_type.width // 8))
 
 
-def _state_view(VF, t2d, vc, kl):
+def _state_view(VF, KVROW, t2d, vc, kl):
     """Thread's 32-element state fragment as a 16-byte-aligned strided view.
-    [K,V] (VF False): shape (8 k, 4 v), k = 4kl + (i%4) + 64(i//4), one float4 along V per row.
+    [K,V] (VF False): shape (8 k, 4 v), k = 4kl + (i%4) + 64(i//4), one float4 along V per row
+                      (a warp instruction touches 16 rows x 32 bytes).
+    [K,V] KVROW:      shape (8 k, 4 v), k = kb + i (kb = 32 warp + 8 kr); 8 lanes cover a CTA's
+                      32 columns, so a warp instruction reads 4 whole 128-byte rows.
     [V,K] (VF True):  shape (4 v, 8 k), two float4 along K per row; 16 lanes read 256 contiguous
-    bytes per instruction (fully coalesced)."""
+                      bytes per instruction (fully coalesced)."""
+    if KVROW:
+        vv = t2d.shape[1]
+        return _al(cute.make_tensor(t2d.iterator + kl * vv + 4 * vc, cute.make_layout((8, 4), stride=(vv, 1))), 16)
     if VF:
         kk = t2d.shape[1]
         lay = cute.make_layout((4, (4, 2)), stride=(kk, (1, 64)))
@@ -99,13 +106,13 @@ def _sset(rS, VF, i, j, x):
         rS[i, j] = x
 
 
-def _load_tok(KDA, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt, b, tok, hq, hv, kl, vc):
+def _load_tok(KDA, KVROW, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt, b, tok, hq, hv, kl, vc):
     """Issue one token's input loads (q, k, v; for KDA also g and beta) into registers."""
-    cute.autovec_copy(_kvec(mQ[b, tok, hq, None], kl), rq8)
-    cute.autovec_copy(_kvec(mK[b, tok, hq, None], kl), rk8)
+    cute.autovec_copy(_kvec(mQ[b, tok, hq, None], kl, KVROW), rq8)
+    cute.autovec_copy(_kvec(mK[b, tok, hq, None], kl, KVROW), rk8)
     cute.autovec_copy(_vvec(mV[b, tok, hv, None], vc), rv4)
     if KDA:
-        cute.autovec_copy(_kvec(mG[b, tok, hv, None], kl), rg8)
+        cute.autovec_copy(_kvec(mG[b, tok, hv, None], kl, KVROW), rg8)
         rbt[0] = Float32(mBeta[b, tok, hv])
 
 
@@ -142,6 +149,10 @@ class DecodeConfig:
     bv: int = 32                   # value columns per CTA (multiple of 8)
     prefetch_next: bool = True     # load token t+1's inputs while token t computes (T > 1)
     min_ctas: int = 0              # >0: ask ptxas for this many CTAs per SM (caps registers)
+    # [K,V] layout only: lanes along V so each warp instruction reads whole 128-byte rows; K is split
+    # over lanes and warps, reduced by shuffles + one shared-memory exchange per token. Candidate
+    # from the ncu profile (L1/L2-bound at 88-96% with DRAM at 62-71%); off until measured.
+    kv_rows: bool = False
 
     def key(self):
         return tuple((f.name, getattr(self, f.name)) for f in fields(self))
@@ -175,6 +186,7 @@ class RecurrentDecode:
         KDA = cfg.mode == "kda"
         VF = cfg.state_v_first
         POOL = cfg.pool
+        KVROW = cfg.kv_rows and not VF
         f32 = Float32
 
         def fexp(x):
@@ -192,9 +204,19 @@ class RecurrentDecode:
             vb, hv, n = cute.arch.block_idx()
             lane = tidx % 32
             warp = tidx // 32
+            # kl: the thread's K position (warp-K mapping: lane % 16; row mapping: first row kb)
+            # vc: its column group, v in [4vc, 4vc+4); wr: whether it writes o (one writer per column)
             kl = lane % 16
-            vq = lane // 16
-            vc = vb * (BV // 4) + warp * 2 + vq       # owned column group: v in [4vc, 4vc+4)
+            vc = vb * (BV // 4) + warp * 2 + lane // 16
+            wr = kl == 0
+            if cutlass.const_expr(KVROW):
+                kl = 32 * warp + 8 * (lane // 8)
+                vc = vb * (BV // 4) + lane % 8
+                wr = kl == 0
+            if cutlass.const_expr(KVROW):
+                sRed = cutlass.memory.SmemAllocator().allocate_tensor(
+                    f32, cute.make_layout((2, 4, 8, 12), stride=(384, 96, 12, 1)),  # [parity, warp, vl, r]
+                    byte_alignment=16)
             HQ = mQ.shape[2]
             HVn = mV.shape[2]
             hq = hv // (HVn // HQ)
@@ -254,7 +276,7 @@ class RecurrentDecode:
                 # Issue order = latency order: token 0's inputs and the per-head constants first,
                 # then the 16 KiB state stream; nothing below waits until the decay multiply.
                 if Tn > 0:
-                    _load_tok(KDA, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt, b, bos, hq, hv, kl, vc)
+                    _load_tok(KDA, KVROW, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt, b, bos, hq, hv, kl, vc)
                 gam = f32(0.0)
                 if cutlass.const_expr(not KDA):
                     gam = fexp(f32(mG[hq]))
@@ -265,14 +287,14 @@ class RecurrentDecode:
                 rbias.fill(0.0)
                 if cutlass.const_expr(KDA and cfg.gate_in_kernel and cfg.has_bias):
                     rb8 = cute.make_rmem_tensor((8,), mBias.element_type)
-                    cute.autovec_copy(_kvec(cute.local_tile(mBias, (K,), (hv,)), kl), rb8)
+                    cute.autovec_copy(_kvec(cute.local_tile(mBias, (K,), (hv,)), kl, KVROW), rb8)
                     rbias.store(rb8.load().to(f32))
                 if cutlass.const_expr(cfg.has_h0):
-                    cute.autovec_copy(_state_view(VF, mH0[rslot, hv, None, None], vc, kl), rS)
+                    cute.autovec_copy(_state_view(VF, KVROW, mH0[rslot, hv, None, None], vc, kl), rS)
 
                 for t in cutlass.range(Tn, unroll=1):
                     if cutlass.const_expr(not cfg.prefetch_next) and t > 0:
-                        _load_tok(KDA, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt,
+                        _load_tok(KDA, KVROW, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt,
                                   b, bos + t, hq, hv, kl, vc)
                     qf = rq8.load().to(f32)
                     kf = rk8.load().to(f32)
@@ -281,7 +303,7 @@ class RecurrentDecode:
                     bt = rbt[0]
                     if cutlass.const_expr(cfg.prefetch_next) and t + 1 < Tn:
                         # prefetch the next token: its latency leaves the serial chain
-                        _load_tok(KDA, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt,
+                        _load_tok(KDA, KVROW, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt,
                                   b, bos + t + 1, hq, hv, kl, vc)
                     # ---- decay ----
                     if cutlass.const_expr(KDA):
@@ -330,9 +352,26 @@ class RecurrentDecode:
                             kk = kk + kf[i] * kf[i]
                         red[base + 1] = qq
                         red[base + 2] = kk
-                    for sh in cutlass.range_constexpr(4):
+                    if cutlass.const_expr(KVROW):
+                        # over the 4 row-lanes of a warp, then over the 4 warps through shared memory
+                        # (double-buffered by token parity: one barrier per token is enough)
+                        for sh in cutlass.range_constexpr(2):
+                            for r in cutlass.range_constexpr(NR):
+                                red[r] = red[r] + cute.arch.shuffle_sync_bfly(red[r], offset=8 << sh)
+                        par = t % 2
+                        if lane < 8:
+                            for r in cutlass.range_constexpr(NR):
+                                sRed[par, warp, lane, r] = red[r]
+                        cute.arch.barrier()
                         for r in cutlass.range_constexpr(NR):
-                            red[r] = red[r] + cute.arch.shuffle_sync_bfly(red[r], offset=1 << sh)
+                            acc = f32(0.0)
+                            for w in cutlass.range_constexpr(4):
+                                acc = acc + sRed[par, w, lane % 8, r]
+                            red[r] = acc
+                    else:
+                        for sh in cutlass.range_constexpr(4):
+                            for r in cutlass.range_constexpr(NR):
+                                red[r] = red[r] + cute.arch.shuffle_sync_bfly(red[r], offset=1 << sh)
                     # ---- token update: u = beta (v - S'^T k);  o = S'^T q + (k.q) u;  S += k u^T ----
                     rqn = scale
                     rkn = f32(1.0)
@@ -357,7 +396,7 @@ class RecurrentDecode:
                         ki = kf[i] * rkn
                         for jj in cutlass.range_constexpr(4):
                             _sset(rS, VF, i, jj, _sget(rS, VF, i, jj) + ki * ru[jj])
-                    if kl == 0:
+                    if wr:
                         cute.autovec_copy(ro4, _vvec(mO[b, bos + t, hv, None], vc))
                     # ---- per-token state write into the pool (FLA continuous batching) ----
                     if cutlass.const_expr(POOL != 0):
@@ -370,16 +409,16 @@ class RecurrentDecode:
                             if t < mIdx.shape[1]:
                                 ws = Int64(mIdx[n, t])
                         if ws >= 0 and ws < Int64(mH0.shape[0]):
-                            cute.autovec_copy(rS, _state_view(VF, mH0[ws, hv, None, None], vc, kl))
+                            cute.autovec_copy(rS, _state_view(VF, KVROW, mH0[ws, hv, None, None], vc, kl))
 
                 if cutlass.const_expr(POOL == 0 and cfg.has_ht):
-                    cute.autovec_copy(rS, _state_view(VF, mHt[n, hv, None, None], vc, kl))
+                    cute.autovec_copy(rS, _state_view(VF, KVROW, mHt[n, hv, None, None], vc, kl))
             else:
                 # padding / empty sequence: touch no state; zero its output rows
                 if cutlass.const_expr(POOL != 0):
                     for jj in cutlass.range_constexpr(4):
                         ro4[jj] = f32(0.0).to(mO.element_type)
-                    if kl == 0:
+                    if wr:
                         for t in cutlass.range(Tn, unroll=1):
                             cute.autovec_copy(ro4, _vvec(mO[b, bos + t, hv, None], vc))
 
@@ -471,10 +510,28 @@ class RecurrentDecode:
 
 
 _fn_cache: dict = {}
+# Tuning knobs applied on top of every config the host wrappers build (DecodeConfig field -> value).
+# Empty in production: the defaults in DecodeConfig are the measured choice. Tests and
+# benchmarks/variants.py set candidates through set_tuning() to compare them in one process.
+TUNING: dict = {}
+
+
+def set_tuning(**knobs) -> None:
+    """Replace the tuning knobs (no arguments: back to the defaults) and drop cached kernels."""
+    from fla_cula.kernels import kda_decode, lightning_decode
+    bad = set(knobs) - {f.name for f in fields(DecodeConfig)}
+    if bad:
+        raise ValueError(f"unknown DecodeConfig fields {sorted(bad)}")
+    TUNING.clear()
+    TUNING.update(knobs)
+    for host in (kda_decode, lightning_decode):
+        host._cfg_cache.clear()
 
 
 def get_kernel(cfg: DecodeConfig):
     """Compiled TVM-FFI callable for a config (process cache in front of fla_cula.jit)."""
+    if TUNING:
+        cfg = dataclasses.replace(cfg, **TUNING)
     fn = _fn_cache.get(cfg)
     if fn is None:
         fn = get_compiled(RecurrentDecode(cfg).spec())
@@ -499,6 +556,10 @@ def representative_configs() -> list:
         out.append(C(mode="lightning", state_v_first=vf, g_dtype="float32", beta_dtype="float32"))
         out.append(C(mode="lightning", state_v_first=vf, g_dtype="float32", beta_dtype="float32",
                      varlen=True, cu_dtype="int64", has_h0=False))
+    # the row-coalesced [K,V] candidate (kv_rows): KDA serving flags with a pool, and lightning
+    out.append(C(mode="kda", l2norm=True, gate_in_kernel=True, has_A=True, has_bias=True, has_lower_bound=True,
+                 beta_sigmoid=True, pool=2, spec=True, has_ht=False, varlen=True, kv_rows=True))
+    out.append(C(mode="lightning", g_dtype="float32", beta_dtype="float32", kv_rows=True))
     return out
 
 

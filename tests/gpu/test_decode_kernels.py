@@ -259,3 +259,32 @@ def test_lightning_no_initial_state():
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------
+# The row-coalesced [K,V] mapping (DecodeConfig.kv_rows), a candidate until the H200 sweep picks it:
+# the same checks as above, run with the knob on.
+@pytest.fixture
+def kv_rows():
+    from fla_cula.kernels import recurrent_decode
+    recurrent_decode.set_tuning(kv_rows=True)
+    yield recurrent_decode
+    assert any(c.kv_rows for c in recurrent_decode._fn_cache), "the kv_rows kernel never ran"
+    recurrent_decode.set_tuning()
+
+
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("gname", ["precomputed", "softplus", "lb_A_bias"])
+def test_kv_rows_kda(kv_rows, T, gname):
+    test_kda_fused_recurrent(T, False, gname, "l2_sig")
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["nospec", "spec"])
+def test_kv_rows_pool(kv_rows, spec):
+    test_kda_pool_2d(False, spec, torch.int32)
+
+
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_kv_rows_lightning(kv_rows, T, varlen):
+    test_lightning(T, False, varlen)
