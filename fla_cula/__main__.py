@@ -62,9 +62,11 @@ def info(as_json: bool = False) -> dict:
     else:
         for k, v in rep.items():
             if k == "kernels" and isinstance(v, list):
-                print(f"kernels ({len(v)} registered specializations):")
+                print(f"kernels ({len(v)} registered specializations; fields that vary between them):")
                 for s in v:
-                    print(f"  {s['name']:<20} {s['key']}  disk-cached={s['cached_on_disk']}")
+                    same = [o for o in v if o["name"] == s["name"]]
+                    vary = {f: x for f, x in s["key"].items() if len({str(o["key"].get(f)) for o in same}) > 1}
+                    print(f"  {s['name']:<18} {vary}  disk-cached={s['cached_on_disk']}")
             else:
                 print(f"{k}: {v}")
     return rep

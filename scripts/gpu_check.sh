@@ -18,6 +18,7 @@ cd "$(dirname "$0")/.."
 LOG="$OUTDIR/gpu_check.log"
 : > "$LOG"
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # the checkout's fla_cula, parity, benchmarks
 export FLA_CULA_COMMIT="${FLA_CULA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 T_BUILD="${T_BUILD:-90}"; T_INFO="${T_INFO:-60}"; T_PYTEST="${T_PYTEST:-240}"
@@ -47,7 +48,9 @@ build() {
     echo "setup.py not present: skipping the extension build (the package works without it)"
     return 0
   fi
-  pip install --no-build-isolation --no-deps -e . || python setup.py build_ext --inplace
+  # in place, so its messages (including why the extension is skipped) reach the log; the package
+  # is used from the checkout (PYTHONPATH), not installed
+  python setup.py build_ext --inplace
 }
 
 # Triton autotune results from an earlier run (FLA's chunk kernels autotune for minutes on a fresh
