@@ -11,6 +11,7 @@ Environment toggles are read at call time (cheap ``os.environ`` lookups):
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import threading
@@ -138,3 +139,21 @@ def common_reason(x: torch.Tensor, *tensors: torch.Tensor | None) -> str | None:
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *tensors)):
         return "grad enabled: forward-only kernel"
     return None
+
+
+class LazyKernel:
+    """A kernel module (fla_cula.kernels.<name>) imported on first use: it imports CuTe DSL, which a
+    call that already fell back for a device reason never needs. An import failure is a reason too."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.mod = None
+        self._failed: str | None = None
+
+    def reason(self) -> str | None:
+        if self.mod is None and self._failed is None:
+            try:
+                self.mod = importlib.import_module(f"fla_cula.kernels.{self.name}")
+            except Exception as e:  # noqa: BLE001 - reported as the fallback reason
+                self._failed = f"{self.name} kernel unavailable ({type(e).__name__}: {e})"
+        return self._failed

@@ -43,6 +43,22 @@ def _state_reason(s, N, HV, K, V, vf, pool, what) -> str | None:
     return None
 
 
+def _seqs_reason(cu_seqlens, B, dev) -> tuple[str | None, int]:
+    """(reason or None, number of sequences N). Values are not read here (no host sync): the kernel
+    clamps each [cu[n], cu[n+1]) to the token range, so a non-monotone cu_seqlens cannot fault."""
+    if cu_seqlens is None:
+        return (None if B > 0 else "no sequences"), B
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in _INT:
+        return "cu_seqlens: expected an int32/int64 tensor", 0
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2 or not cu_seqlens.is_contiguous():
+        return f"cu_seqlens shape {tuple(cu_seqlens.shape)}: expected contiguous [N+1], N >= 1", 0
+    if cu_seqlens.device != dev:
+        return f"cu_seqlens on {cu_seqlens.device}: kernel needs it on {dev}", 0
+    if B != 1:
+        return f"cu_seqlens with batch {B}: varlen needs B == 1", 0
+    return None, cu_seqlens.shape[0] - 1
+
+
 def check(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
           inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
           use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
@@ -107,20 +123,9 @@ def check(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_s
         elif A_log is None:
             return "use_gate_in_kernel without A_log and lower_bound: FLA needs A_log"
     # ---- sequences ----
-    if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in _INT:
-            return "cu_seqlens: expected an int32/int64 tensor"
-        if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2 or not cu_seqlens.is_contiguous():
-            return f"cu_seqlens shape {tuple(cu_seqlens.shape)}: expected contiguous [N+1], N >= 1"
-        if cu_seqlens.device != dev:
-            return f"cu_seqlens on {cu_seqlens.device}: kernel needs it on {dev}"
-        if B != 1:
-            return f"cu_seqlens with batch {B}: varlen needs B == 1"
-        N = cu_seqlens.shape[0] - 1
-    else:
-        N = B
-    if N == 0:
-        return "no sequences"
+    r, N = _seqs_reason(cu_seqlens, B, dev)
+    if r:
+        return r
     # ---- state ----
     if inplace_final_state and initial_state is None:
         return "inplace_final_state=True without initial_state (FLA asserts)"

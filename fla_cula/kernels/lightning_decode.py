@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from fla_cula.kernels.kda_decode import _FLOAT, _I31, _INT, _KV, _aligned, _state_reason
+from fla_cula.kernels.kda_decode import _FLOAT, _I31, _INT, _KV, _aligned, _seqs_reason, _state_reason
 from fla_cula.kernels.recurrent_decode import DecodeConfig, get_kernel
 
 
@@ -50,20 +50,9 @@ def check(q, k, v, g_gamma, scale, initial_state, output_final_state, reverse, s
         return f"g_gamma shape {tuple(g_gamma.shape)}: expected contiguous [{H}] on {dev}"
     if not isinstance(scale, (int, float)) or not math.isfinite(scale):
         return f"scale {scale!r}: expected a finite float"
-    if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in _INT:
-            return "cu_seqlens: expected an int32/int64 tensor"
-        if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2 or not cu_seqlens.is_contiguous():
-            return f"cu_seqlens shape {tuple(cu_seqlens.shape)}: expected contiguous [N+1], N >= 1"
-        if cu_seqlens.device != dev:
-            return f"cu_seqlens on {cu_seqlens.device}: kernel needs it on {dev}"
-        if B != 1:
-            return f"cu_seqlens with batch {B}: varlen needs B == 1"
-        N = cu_seqlens.shape[0] - 1
-    else:
-        N = B
-    if N == 0:
-        return "no sequences"
+    r, N = _seqs_reason(cu_seqlens, B, dev)
+    if r:
+        return r
     if initial_state is not None:
         r = _state_reason(initial_state, N, H, K, _KV, state_v_first, q, "initial_state")
         if r:

@@ -24,24 +24,7 @@ FLA_CHUNK_KDA = _fla_chunk.chunk_kda
 FLA_FUSED_RECURRENT_KDA = _fla_fr.fused_recurrent_kda
 FLA_FUSED_RECURRENT_KDA_FWD = _fla_fr.fused_recurrent_kda_fwd
 
-_kernel = None
-
-
-def _decode_kernel():
-    """The decode kernel module, imported on first use (it imports CuTe DSL)."""
-    global _kernel
-    if _kernel is None:
-        from fla_cula.kernels import kda_decode
-        _kernel = kda_decode
-    return _kernel
-
-
-def _kernel_module_reason() -> str | None:
-    try:
-        _decode_kernel()
-    except ImportError as e:
-        return f"decode kernel unavailable ({e})"
-    return None
+_DECODE = routing.LazyKernel("kda_decode")
 
 
 def _pop_transpose_state_layout(kwargs: dict, state_v_first: bool) -> bool:
@@ -144,13 +127,13 @@ def fused_recurrent_kda_fwd(
     op = "fused_recurrent_kda_fwd"
     if scale is None:
         scale = k.shape[-1] ** -0.5
-    reason = routing.common_reason(q, k, v, g, beta, initial_state, out) or _kernel_module_reason()
+    reason = routing.common_reason(q, k, v, g, beta, initial_state, out) or _DECODE.reason()
     if reason is None:
         kargs = args[:8] + (scale,) + args[9:]
-        reason = _decode_kernel().check(*kargs)
+        reason = _DECODE.mod.check(*kargs)
         if reason is None:
             routing.record_kernel(op)
-            return _kernel.run(*kargs)
+            return _DECODE.mod.run(*kargs)
     routing.record_fallback(op, reason)
     return routing.call_fla(FLA_FUSED_RECURRENT_KDA_FWD, *args, **kwargs)
 
@@ -189,15 +172,15 @@ def fused_recurrent_kda(
         scale = k.shape[-1] ** -0.5
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
-    reason = routing.common_reason(q, k, v, g, beta, initial_state) or _kernel_module_reason()
+    reason = routing.common_reason(q, k, v, g, beta, initial_state) or _DECODE.reason()
     if reason is None:
         kargs = (q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, False,
                  state_v_first, cu_seqlens, None, None, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                  use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, None)
-        reason = _decode_kernel().check(*kargs)
+        reason = _DECODE.mod.check(*kargs)
         if reason is None:
             routing.record_kernel(op)
-            return _kernel.run(*kargs)
+            return _DECODE.mod.run(*kargs)
     routing.record_fallback(op, reason)
     return routing.call_fla(
         FLA_FUSED_RECURRENT_KDA, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,

@@ -25,24 +25,8 @@ FLA_CHUNK_LIGHTNING_ATTN = _fla_chunk.chunk_lightning_attn
 FLA_FUSED_RECURRENT_LIGHTNING_ATTN = _fla_fr.fused_recurrent_lightning_attn
 FLA_FUSED_RECURRENT_SIMPLE_GLA = _fla_sgla_fr.fused_recurrent_simple_gla
 
-_kernel = None
+_DECODE = routing.LazyKernel("lightning_decode")
 _g_gamma_cache: dict[tuple, torch.Tensor] = {}
-
-
-def _decode_kernel():
-    global _kernel
-    if _kernel is None:
-        from fla_cula.kernels import lightning_decode
-        _kernel = lightning_decode
-    return _kernel
-
-
-def _kernel_module_reason() -> str | None:
-    try:
-        _decode_kernel()
-    except ImportError as e:
-        return f"decode kernel unavailable ({e})"
-    return None
 
 
 def g_gamma_for(H: int, layer_idx: int, num_layers: int, device: torch.device) -> torch.Tensor:
@@ -80,15 +64,15 @@ def chunk_lightning_attn(
 def _route_decode(op, q, k, v, g_gamma_fn, scale, initial_state, output_final_state, reverse, state_v_first,
                   cu_seqlens):
     """Kernel result, or None after recording the fallback reason."""
-    reason = routing.common_reason(q, k, v, initial_state) or _kernel_module_reason()
+    reason = routing.common_reason(q, k, v, initial_state) or _DECODE.reason()
     if reason is None:
         if scale is None:
             scale = k.shape[-1] ** -0.5
         kargs = (q, k, v, g_gamma_fn(), scale, initial_state, output_final_state, reverse, state_v_first, cu_seqlens)
-        reason = _kernel.check(*kargs)
+        reason = _DECODE.mod.check(*kargs)
         if reason is None:
             routing.record_kernel(op)
-            return _kernel.run(*kargs)
+            return _DECODE.mod.run(*kargs)
     routing.record_fallback(op, reason)
     return None
 
