@@ -43,6 +43,23 @@ def _state_reason(s, N, HV, K, V, vf, pool, what) -> str | None:
     return None
 
 
+def _qk_reason(named) -> str | None:
+    """Activations: tensors of a supported float dtype; q and k of one shape [B, T, H, 128]."""
+    for name, x in named:
+        if not isinstance(x, torch.Tensor):
+            return f"{name} is not a tensor"
+        if x.dtype not in _FLOAT:
+            return f"{name} dtype {x.dtype}: kernel supports bf16/fp16/fp32"
+    q, k = named[0][1], named[1][1]
+    if q.dtype != k.dtype:
+        return f"q dtype {q.dtype} != k dtype {k.dtype}"
+    if q.ndim != 4 or k.shape != q.shape:
+        return f"q/k shapes {tuple(q.shape)}/{tuple(k.shape)}: expected equal [B, T, H, K]"
+    if q.shape[3] != _KV:
+        return f"head dim {q.shape[3]}: kernel supports 128"
+    return None
+
+
 def _seqs_reason(cu_seqlens, B, dev) -> tuple[str | None, int]:
     """(reason or None, number of sequences N). Values are not read here (no host sync): the kernel
     clamps each [cu[n], cu[n+1]) to the token range, so a non-monotone cu_seqlens cannot fault."""
@@ -63,18 +80,10 @@ def check(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_s
           inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
           use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
           allow_neg_eigval, lower_bound, out) -> str | None:
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if not isinstance(x, torch.Tensor):
-            return f"{name} is not a tensor"
-        if x.dtype not in _FLOAT:
-            return f"{name} dtype {x.dtype}: kernel supports bf16/fp16/fp32"
-    if q.dtype != k.dtype:
-        return f"q dtype {q.dtype} != k dtype {k.dtype}"
-    if q.ndim != 4 or k.shape != q.shape:
-        return f"q/k shapes {tuple(q.shape)}/{tuple(k.shape)}: expected equal [B, T, H, K]"
+    r = _qk_reason((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)))
+    if r:
+        return r
     B, T, H, K = q.shape
-    if K != _KV:
-        return f"head dim {K}: kernel supports 128"
     if v.ndim != 4 or v.shape[0] != B or v.shape[1] != T:
         return f"v shape {tuple(v.shape)}: expected [{B}, {T}, HV, V]"
     HV, V = v.shape[2], v.shape[3]

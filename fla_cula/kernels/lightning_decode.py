@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from fla_cula.kernels.kda_decode import _FLOAT, _I31, _INT, _KV, _aligned, _seqs_reason, _state_reason
+from fla_cula.kernels.kda_decode import _FLOAT, _I31, _INT, _KV, _aligned, _qk_reason, _seqs_reason, _state_reason
 from fla_cula.kernels.recurrent_decode import DecodeConfig, get_kernel
 
 
@@ -17,18 +17,10 @@ def check(q, k, v, g_gamma, scale, initial_state, output_final_state, reverse, s
           cu_seqlens) -> str | None:
     if reverse:
         return "reverse=True: kernel is forward-in-time only"
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            return f"{name} is not a tensor"
-        if x.dtype not in _FLOAT:
-            return f"{name} dtype {x.dtype}: kernel supports bf16/fp16/fp32"
-    if q.dtype != k.dtype:
-        return f"q dtype {q.dtype} != k dtype {k.dtype}"
-    if q.ndim != 4 or k.shape != q.shape:
-        return f"q/k shapes {tuple(q.shape)}/{tuple(k.shape)}: expected equal [B, T, H, K]"
+    r = _qk_reason((("q", q), ("k", k), ("v", v)))
+    if r:
+        return r
     B, T, H, K = q.shape
-    if K != _KV:
-        return f"head dim {K}: kernel supports 128"
     if v.ndim != 4 or tuple(v.shape[:3]) != (B, T, H):
         return f"v shape {tuple(v.shape)}: expected [{B}, {T}, {H}, V]"
     if v.shape[3] != _KV:
