@@ -319,3 +319,30 @@ def test_env_patch_hook():
     assert _run_py(code, env={"FLA_CULA_PATCH": "0"}).stdout.strip().endswith("False")
     quiet = _run_py("import sys; print('fla_cula' in sys.modules)", env={"FLA_CULA_PATCH": "0"})
     assert quiet.stdout.strip() == "False", "without the variable the hook imports nothing"
+
+
+def _export_graph(inplace: bool, vf: bool):
+    class Step(torch.nn.Module):
+        def forward(self, q, k, v, g, beta, state, out):
+            o, s = fla_cula.fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=state, out=out,
+                                                    inplace_final_state=inplace, output_final_state=True,
+                                                    state_v_first=vf, use_qk_l2norm_in_kernel=True)
+            return o * 2, s
+
+    B, H, K = 2, 4, 128
+    args = tuple(torch.randn(B, 1, H, K) for _ in range(4)) + (torch.randn(B, 1, H), torch.randn(B, H, K, K),
+                                                               torch.empty(B, 1, H, K))
+    return torch.export.export(Step(), args)
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["pool-inplace", "new-state"])
+def test_fused_recurrent_kda_fwd_is_one_custom_op_under_export(inplace):
+    """Under torch.compile / export the serving entry point is one opaque custom op with a fake
+    implementation: no graph break, FLA's output structure and shapes, no routing at trace time."""
+    ep = _export_graph(inplace, vf=False)
+    calls = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    assert calls.count("fla_cula.fused_recurrent_kda_fwd.default") == 1
+    outs = [n for n in ep.graph.nodes if n.op == "output"][0].args[0]
+    shapes = [tuple(o.meta["val"].shape) for o in outs if hasattr(o, "meta") and "val" in o.meta]
+    assert (2, 4, 128, 128) in shapes  # the final state (the pool itself, or a new [N, HV, K, V])
+    assert fla_cula.status() == {}, "tracing must not route or count calls"

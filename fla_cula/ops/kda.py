@@ -93,7 +93,6 @@ def chunk_kda(
     return routing.call_fla(FLA_CHUNK_KDA, *args, **kwargs)
 
 
-@torch.compiler.disable
 def fused_recurrent_kda_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -118,7 +117,66 @@ def fused_recurrent_kda_fwd(
     out: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """FLA's fused_recurrent_kda_fwd (what serving engines call), on the decode kernel when it applies."""
+    """FLA's fused_recurrent_kda_fwd (what serving engines call), on the decode kernel when it applies.
+
+    Under torch.compile the call is the custom op ``torch.ops.fla_cula.fused_recurrent_kda_fwd``
+    (no graph break; routing happens when the op runs), otherwise a plain Python call."""
+    args = (q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
+            state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
+            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out)
+    if torch.compiler.is_compiling():
+        return _fwd_traced(*args)
+    return _fwd_eager(*args, **kwargs)
+
+
+def _fwd_traced(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
+                state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
+                use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out):
+    """What torch.compile sees: FLA's output conventions around one opaque custom op (argument errors
+    surface when the op runs, exactly as in eager mode)."""
+    if out is None:
+        out = torch.zeros_like(v)  # as FLA allocates it
+    fs = torch.ops.fla_cula.fused_recurrent_kda_fwd(
+        q, k, v, g, beta, A_log, dt_bias, initial_state, k.shape[-1] ** -0.5 if scale is None else float(scale),
+        output_final_state, inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+        None if lower_bound is None else float(lower_bound), out)
+    if inplace_final_state:
+        return out, initial_state
+    return out, (fs if output_final_state else None)
+
+
+@torch.library.custom_op("fla_cula::fused_recurrent_kda_fwd", mutates_args=("initial_state", "out"))
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, initial_state: torch.Tensor | None,
+            scale: float, output_final_state: bool, inplace_final_state: bool, state_v_first: bool,
+            cu_seqlens: torch.Tensor | None, ssm_state_indices: torch.Tensor | None,
+            num_accepted_tokens: torch.Tensor | None, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
+            use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, lower_bound: float | None,
+            out: torch.Tensor) -> torch.Tensor:
+    """The routed call (kernel or FLA), writing `out` (and the pool when in place). Returns the new final
+    state, or an empty tensor when FLA returns none or the pool itself (a custom op may not return an alias)."""
+    _, fs = _fwd_eager(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
+                       inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+                       use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                       lower_bound, out)
+    return q.new_empty(0) if fs is None or inplace_final_state else fs
+
+
+@_fwd_op.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
+      state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+      use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out):
+    if inplace_final_state or not output_final_state:
+        return q.new_empty(0)
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    HV, K, V = v.shape[2], k.shape[3], v.shape[3]
+    return q.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)
+
+
+def _fwd_eager(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
+               state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
+               use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out, **kwargs):
     args = (q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
             state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
             use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out)

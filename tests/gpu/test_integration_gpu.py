@@ -113,3 +113,42 @@ def test_runs_on_callers_stream():
     o_ref, s_ref = reference.kda_recurrent(q, *args[1:], **{k: v for k, v in kw.items()})
     assert reference.rel_rms(o_ref, o) < 5e-3
     assert reference.rel_rms(s_ref, s) < 2e-3
+
+
+def _pool_step_args(vf=True):
+    (q, k, v, gate, beta), kw = _decode_args()
+    B, H, K = q.shape[0], q.shape[2], q.shape[3]
+    pool = torch.randn(2 * B, H, K, K, device="cuda")
+    idx = torch.randperm(2 * B, device="cuda")[:B].to(torch.int32)
+    out = torch.empty_like(v)
+    kw = {x: y for x, y in kw.items() if x not in ("initial_state", "output_final_state")}
+    return (q, k, v, gate, beta), dict(kw, initial_state=pool, ssm_state_indices=idx, out=out, state_v_first=vf,
+                                       inplace_final_state=True)
+
+
+def test_custom_op_opcheck():
+    """The serving op's schema, fake implementation and mutation declarations agree with what it does."""
+    args, kw = _pool_step_args()
+    sample = (*args, kw["A_log"], kw["dt_bias"], kw["initial_state"], 128 ** -0.5, False, True, True, None,
+              kw["ssm_state_indices"], None, True, True, True, False, None, kw["out"])
+    torch.library.opcheck(torch.ops.fla_cula.fused_recurrent_kda_fwd.default, sample)
+
+
+def test_compiled_decode_step_matches_eager():
+    """A serving step compiled with fullgraph=True (no graph break) updates the pool and writes `out`
+    exactly as the eager call does, and the kernel route is taken at run time."""
+    args, kw = _pool_step_args()
+    pool0 = kw["initial_state"].clone()
+
+    def step(q, k, v, g, beta, pool, out):
+        o, s = fla_cula.fused_recurrent_kda_fwd(q, k, v, g, beta, **dict(kw, initial_state=pool, out=out))
+        return o.float().sum(), s
+
+    with torch.inference_mode():
+        pe, oe = pool0.clone(), torch.empty_like(kw["out"])
+        step(*args, pe, oe)
+        pc, oc = pool0.clone(), torch.empty_like(kw["out"])
+        fla_cula.reset_status()
+        torch.compile(step, fullgraph=True)(*args, pc, oc)
+    assert torch.equal(oe, oc) and torch.equal(pe, pc)
+    assert fla_cula.status()["fused_recurrent_kda_fwd"]["kernel"] == 1
