@@ -52,11 +52,21 @@ def dsl_available_reason() -> str | None:
 
 @functools.cache
 def dsl_version() -> str:
+    """nvidia-cutlass-dsl version plus its CUDA library variant (cu12 / cu13 wheels ship different
+    runtime libraries that a cached object links against), e.g. "4.8.1-cu13"."""
+    from importlib.metadata import PackageNotFoundError, version
     try:
-        from importlib.metadata import version
-        return version("nvidia-cutlass-dsl")
-    except Exception:  # pragma: no cover
+        v = version("nvidia-cutlass-dsl")
+    except PackageNotFoundError:  # pragma: no cover
         return "unknown"
+    libs = []
+    for cu in ("cu12", "cu13"):
+        try:
+            version(f"nvidia-cutlass-dsl-libs-{cu}")
+            libs.append(cu)
+        except PackageNotFoundError:
+            pass
+    return "-".join([v, *libs])
 
 
 @functools.cache

@@ -288,3 +288,18 @@ def test_kv_rows_pool(kv_rows, spec):
 @pytest.mark.parametrize("varlen", [False, True])
 def test_kv_rows_lightning(kv_rows, T, varlen):
     test_lightning(T, False, varlen)
+
+
+@pytest.mark.parametrize("vf", [False, True], ids=["kv", "vk"])
+def test_kda_bitwise_repeatable(vf):
+    """No atomics, no races: the same call on the same inputs gives the same bits, 20 times (a moving
+    error - once seen on an early kernel version - would show here)."""
+    from fla_cula.ops.kda import fused_recurrent_kda
+    q, k, v, g, beta, A_log, dt_bias = _inputs(8, 2, 4, 8, gate="raw", seed=5)
+    h0 = torch.randn(8, 8, 128, 128, device=DEV)
+    kw = dict(_kw("softplus", A_log, dt_bias), use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              state_v_first=vf)
+    o0, s0 = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
+    for _ in range(20):
+        o, s = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
+        assert torch.equal(o, o0) and torch.equal(s, s0)
