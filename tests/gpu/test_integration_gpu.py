@@ -38,22 +38,29 @@ def _train_step(model, ids):
                                          if p.grad is not None}
 
 
+def _maxdiff(a: dict, b: dict) -> dict:
+    return {n: (a[n].float() - b[n].float()).abs().max().item() for n in a}
+
+
 def test_patched_model_training_step_identical_to_fla():
-    """chunk_kda has no kernel yet: the patched training step must equal FLA's bit for bit, and
-    status() must account for every call with its reason."""
+    """chunk_kda has no kernel yet: the patched training step must reproduce FLA exactly - bit for bit
+    where FLA itself is deterministic, and within FLA's own run-to-run spread where its backward is not
+    (atomics) - and status() must account for every call with its reason."""
     model, cfg = _model()
     ids = torch.randint(0, cfg.vocab_size, (2, 128), device="cuda")
     logits_a, grads_a = _train_step(model, ids)
+    logits_a2, grads_a2 = _train_step(model, ids)  # FLA against itself: its own spread
     with fla_cula.patched():
         logits_b, grads_b = _train_step(model, ids)
-    assert torch.equal(logits_a, logits_b)
+    assert torch.equal(logits_a, logits_a2) and torch.equal(logits_a, logits_b)
     assert grads_a.keys() == grads_b.keys()
+    spread, diff = _maxdiff(grads_a, grads_a2), _maxdiff(grads_a, grads_b)
     for n in grads_a:
-        assert torch.equal(grads_a[n], grads_b[n]), n
+        assert diff[n] <= spread[n] or diff[n] == 0, f"{n}: patched differs by {diff[n]}, FLA's spread {spread[n]}"
     st = fla_cula.status()
     assert st["chunk_kda"]["calls"] == cfg.num_hidden_layers
-    assert st["chunk_kda"]["fallback"] == {"grad enabled: forward-only kernel": cfg.num_hidden_layers} or \
-        st["chunk_kda"]["fallback"] == {"no kernel for this op yet": cfg.num_hidden_layers}
+    assert sum(st["chunk_kda"]["fallback"].values()) == cfg.num_hidden_layers
+    assert set(st["chunk_kda"]["fallback"]) <= {"grad enabled: forward-only kernel", "no kernel for this op yet"}
 
 
 def test_patched_model_generation_matches_fla():
