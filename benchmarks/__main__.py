@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="directory for the report and the JSON (default: repo root + benchmarks/results)")
     p.add_argument("--tag", default="H200", help="report suffix (default H200)")
     p.add_argument("--only", nargs="+", help="bench names (substring match), e.g. 'kda decode'")
-    p.add_argument("--modes", nargs="+", choices=("eager", "graph", "fwdbwd"), help="only these modes")
+    p.add_argument("--modes", nargs="+", choices=("eager", "graph", "graph_warm", "fwdbwd"), help="only these modes")
     p.add_argument("--impls", nargs="+", choices=("fla", "fla_cula"), default=["fla", "fla_cula"])
     p.add_argument("--list", action="store_true", help="print the rows that would run and exit")
     args = p.parse_args(argv)

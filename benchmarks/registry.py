@@ -268,7 +268,7 @@ def registry() -> list[Bench]:
         Bench("chunk_kda train", "chunk_kda", ("fwdbwd",), kda_train, [],
               lambda s, d, g: kda_inputs(s, d, g), call_chunk_kda, io_bytes, chunk_kda_flops,
               grad_inputs=("q", "k", "v", "g", "beta"), flags="as prefill; grads of q, k, v, g, beta"),
-        Bench("fused_recurrent_kda decode", "fused_recurrent_kda", ("eager", "graph"), kda_decode,
+        Bench("fused_recurrent_kda decode", "fused_recurrent_kda", ("eager", "graph", "graph_warm"), kda_decode,
               # quick = the issue-4 target rows (decode calls are cheap; FLA's decode kernel does not autotune)
               [_S(b, 1, 32) for b in DECODE_B] + [_S(b, 4, 32) for b in (32, 128)]
               + [_S(32, 1, 16, 32), _S(32, 1, 8)],
@@ -286,7 +286,8 @@ def registry() -> list[Bench]:
         Bench("chunk_lightning_attn train", "chunk_lightning_attn", ("fwdbwd",), light_train, [],
               lambda s, d, g: lightning_inputs(s, d, g), call_chunk_lightning, io_bytes, chunk_lightning_flops,
               grad_inputs=("q", "k", "v"), flags="grads of q, k, v"),
-        Bench("fused_recurrent_lightning_attn decode", "fused_recurrent_lightning_attn", ("eager", "graph"),
+        Bench("fused_recurrent_lightning_attn decode", "fused_recurrent_lightning_attn",
+              ("eager", "graph", "graph_warm"),
               light_decode, light_decode,  # quick = full: the issue-5 target rows
               lambda s, d, g: lightning_inputs(s, d, g), call_fused_recurrent_lightning, io_bytes, rb(6),
               flags="layer 3 of 24, h0, ht"),

@@ -82,7 +82,9 @@ def markdown(records: list[dict], header: dict, ceilings: dict, benches_meta: di
              "`eager` = a plain Python call (measured FLA, fla_cula, fla_cula, FLA; each side keeps its faster "
              "median, so call order cannot favour either); `graph` = CUDA-graph replay of the same call "
              "(GPU time without "
-             "Python overhead); `fwd+bwd` = forward + backward.")
+             "Python overhead; L2 flushed before each replay, as a decode step finds it after other layers ran); "
+             "`graph_warm` = back-to-back replays without a flush (small states stay in L2: the conditions of "
+             "baseline-h200.md's decode numbers); `fwd+bwd` = forward + backward.")
     L.append("- speedup = FLA time / fla_cula time. `route` is where fla_cula sent the call: `kernel`, or "
              "`fallback: <reason>` — then both columns run FLA's code and the speedup must read 1.00 ± noise "
              "(a check that the harness is fair).")
@@ -116,11 +118,11 @@ def markdown(records: list[dict], header: dict, ceilings: dict, benches_meta: di
 
 def short_table(records: list[dict], only_decode: bool = True) -> str:
     """The few lines printed last by scripts/gpu_check.sh."""
-    lines = [f"{'bench':<38} {'shape':<34} {'mode':<6} {'FLA':>10} {'cula':>10} {'x':>6}  route"]
+    lines = [f"{'bench':<38} {'shape':<34} {'mode':<10} {'FLA':>10} {'cula':>10} {'x':>6}  route"]
     for r in summary_rows(records):
         if only_decode and "decode" not in r["bench"] and "serving" not in r["bench"]:
             continue
-        lines.append(f"{r['bench'][:38]:<38} {r['shape'][:34]:<34} {r['mode']:<6} {_ms(r['fla_ms']):>10} "
+        lines.append(f"{r['bench'][:38]:<38} {r['shape'][:34]:<34} {r['mode']:<10} {_ms(r['fla_ms']):>10} "
                      f"{_ms(r['cula_ms']):>10} {_f(r['speedup'], '.2f'):>6}  {r['route'][:60]}")
     return "\n".join(lines)
 
