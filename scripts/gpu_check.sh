@@ -22,7 +22,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # the checkout's fla_cula,
 export FLA_CULA_COMMIT="${FLA_CULA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 T_BUILD="${T_BUILD:-90}"; T_INFO="${T_INFO:-60}"; T_PYTEST="${T_PYTEST:-240}"
-T_PARITY="${T_PARITY:-240}"; T_BENCH="${T_BENCH:-240}"
+T_PARITY="${T_PARITY:-240}"; T_BENCH="${T_BENCH:-300}"
 # STEPS: which steps to run (a device call is limited to 10 minutes: split across two calls if needed)
 STEPS=" ${STEPS:-build info pytest parity bench} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
