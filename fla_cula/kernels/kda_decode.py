@@ -13,81 +13,22 @@ import math
 
 import torch
 
+from fla_cula.kernels._host import FLOAT, I31, INT, KV, aligned, launch, qk_reason, seqs_reason, state_reason
 from fla_cula.kernels.recurrent_decode import DecodeConfig, get_kernel
-
-_FLOAT = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-_INT = {torch.int32: "int32", torch.int64: "int64"}
-_I31 = 2 ** 31
-_KV = 128
-
-
-def _aligned(x) -> bool:
-    return x.data_ptr() % 16 == 0
-
-
-def _state_reason(s, N, HV, K, V, vf, pool, what) -> str | None:
-    if not isinstance(s, torch.Tensor):
-        return f"{what} is not a tensor"
-    if s.dtype != torch.float32:
-        return f"{what} dtype {s.dtype}: kernel supports float32"
-    exp = (HV, V, K) if vf else (HV, K, V)
-    if s.ndim != 4 or tuple(s.shape[1:]) != exp:
-        return f"{what} shape {tuple(s.shape)}: expected [N, {', '.join(map(str, exp))}]"
-    if s.device != pool.device:
-        return f"{what} on {s.device}, inputs on {pool.device}"
-    st = s.stride()
-    if st[1] != K * V or st[2] != exp[2] or st[3] != 1:
-        return f"{what} strides {st}: inner [HV, ., .] dims must be contiguous"
-    if st[0] % 4 or not _aligned(s):
-        return f"{what} not 16-byte aligned"
-    return None
-
-
-def _qk_reason(named) -> str | None:
-    """Activations: tensors of a supported float dtype; q and k of one shape [B, T, H, 128]."""
-    for name, x in named:
-        if not isinstance(x, torch.Tensor):
-            return f"{name} is not a tensor"
-        if x.dtype not in _FLOAT:
-            return f"{name} dtype {x.dtype}: kernel supports bf16/fp16/fp32"
-    q, k = named[0][1], named[1][1]
-    if q.dtype != k.dtype:
-        return f"q dtype {q.dtype} != k dtype {k.dtype}"
-    if q.ndim != 4 or k.shape != q.shape:
-        return f"q/k shapes {tuple(q.shape)}/{tuple(k.shape)}: expected equal [B, T, H, K]"
-    if q.shape[3] != _KV:
-        return f"head dim {q.shape[3]}: kernel supports 128"
-    return None
-
-
-def _seqs_reason(cu_seqlens, B, dev) -> tuple[str | None, int]:
-    """(reason or None, number of sequences N). Values are not read here (no host sync): the kernel
-    clamps each [cu[n], cu[n+1]) to the token range, so a non-monotone cu_seqlens cannot fault."""
-    if cu_seqlens is None:
-        return (None if B > 0 else "no sequences"), B
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in _INT:
-        return "cu_seqlens: expected an int32/int64 tensor", 0
-    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2 or not cu_seqlens.is_contiguous():
-        return f"cu_seqlens shape {tuple(cu_seqlens.shape)}: expected contiguous [N+1], N >= 1", 0
-    if cu_seqlens.device != dev:
-        return f"cu_seqlens on {cu_seqlens.device}: kernel needs it on {dev}", 0
-    if B != 1:
-        return f"cu_seqlens with batch {B}: varlen needs B == 1", 0
-    return None, cu_seqlens.shape[0] - 1
 
 
 def check(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
           inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
           use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
           allow_neg_eigval, lower_bound, out) -> str | None:
-    r = _qk_reason((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)))
+    r = qk_reason((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)))
     if r:
         return r
     B, T, H, K = q.shape
     if v.ndim != 4 or v.shape[0] != B or v.shape[1] != T:
         return f"v shape {tuple(v.shape)}: expected [{B}, {T}, HV, V]"
     HV, V = v.shape[2], v.shape[3]
-    if V != _KV:
+    if V != KV:
         return f"value dim {V}: kernel supports 128"
     if H == 0 or HV % H:
         return f"HV={HV} not a multiple of H={H}"
@@ -104,26 +45,26 @@ def check(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_s
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not x.is_contiguous():
             return f"{name} not contiguous"
-        if x.numel() >= _I31:
+        if x.numel() >= I31:
             return f"{name} has >= 2^31 elements"
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
-        if not _aligned(x):
+        if not aligned(x):
             return f"{name} not 16-byte aligned"
     if not isinstance(scale, (int, float)) or not math.isfinite(scale):
         return f"scale {scale!r}: expected a finite float"
     # ---- gate parameters ----
     if use_gate_in_kernel:
         if A_log is not None:
-            if not isinstance(A_log, torch.Tensor) or A_log.dtype not in _FLOAT:
+            if not isinstance(A_log, torch.Tensor) or A_log.dtype not in FLOAT:
                 return "A_log: expected a bf16/fp16/fp32 tensor"
             if A_log.numel() != HV or not A_log.is_contiguous() or A_log.device != dev:
                 return f"A_log shape {tuple(A_log.shape)}: expected {HV} contiguous elements"
         if dt_bias is not None:
-            if not isinstance(dt_bias, torch.Tensor) or dt_bias.dtype not in _FLOAT:
+            if not isinstance(dt_bias, torch.Tensor) or dt_bias.dtype not in FLOAT:
                 return "dt_bias: expected a bf16/fp16/fp32 tensor"
             if dt_bias.numel() != HV * K or not dt_bias.is_contiguous() or dt_bias.device != dev:
                 return f"dt_bias shape {tuple(dt_bias.shape)}: expected {HV * K} contiguous elements"
-            if not _aligned(dt_bias):
+            if not aligned(dt_bias):
                 return "dt_bias not 16-byte aligned"
         if lower_bound is not None:
             if not isinstance(lower_bound, (int, float)) or not math.isfinite(lower_bound) \
@@ -132,7 +73,7 @@ def check(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_s
         elif A_log is None:
             return "use_gate_in_kernel without A_log and lower_bound: FLA needs A_log"
     # ---- sequences ----
-    r, N = _seqs_reason(cu_seqlens, B, dev)
+    r, N = seqs_reason(cu_seqlens, B, dev)
     if r:
         return r
     # ---- state ----
@@ -140,7 +81,7 @@ def check(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_s
         return "inplace_final_state=True without initial_state (FLA asserts)"
     pool = ssm_state_indices is not None
     if initial_state is not None:
-        r = _state_reason(initial_state, N, HV, K, V, state_v_first, q, "initial_state")
+        r = state_reason(initial_state, N, HV, K, V, state_v_first, q, "initial_state")
         if r:
             return r
         if not pool and (initial_state.shape[0] != N or
@@ -151,7 +92,7 @@ def check(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_s
         if not inplace_final_state:
             return "ssm_state_indices without inplace_final_state: FLA writes per-token states by position"
         x = ssm_state_indices
-        if not isinstance(x, torch.Tensor) or x.dtype not in _INT or x.device != dev:
+        if not isinstance(x, torch.Tensor) or x.dtype not in INT or x.device != dev:
             return "ssm_state_indices: expected an int32/int64 tensor on the inputs' device"
         if x.ndim == 1:
             if x.shape[0] != N or not x.is_contiguous():
@@ -168,15 +109,15 @@ def check(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_s
             return f"ssm_state_indices with {x.ndim} dims: expected [N] or [N, Tmax]"
         na = num_accepted_tokens
         if na is not None:
-            if not isinstance(na, torch.Tensor) or na.dtype not in _INT or na.device != dev:
+            if not isinstance(na, torch.Tensor) or na.dtype not in INT or na.device != dev:
                 return "num_accepted_tokens: expected an int32/int64 tensor on the inputs' device"
             if na.ndim != 1 or na.shape[0] != N or not na.is_contiguous():
                 return f"num_accepted_tokens shape {tuple(na.shape)}: expected contiguous [{N}]"
     # ---- out ----
     if out is not None:
-        if not isinstance(out, torch.Tensor) or out.dtype not in _FLOAT:
+        if not isinstance(out, torch.Tensor) or out.dtype not in FLOAT:
             return "out: expected a bf16/fp16/fp32 tensor"
-        if out.shape != v.shape or not out.is_contiguous() or out.device != dev or not _aligned(out):
+        if out.shape != v.shape or not out.is_contiguous() or out.device != dev or not aligned(out):
             return f"out shape {tuple(out.shape)}: expected contiguous aligned {tuple(v.shape)}"
     return None
 
@@ -216,15 +157,15 @@ def run(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_sta
     fn = _cfg_cache.get(key)
     if fn is None:
         cfg = DecodeConfig(
-            mode="kda", state_v_first=key[5], qk_dtype=_FLOAT[q.dtype], v_dtype=_FLOAT[v.dtype],
-            g_dtype=_FLOAT[g.dtype], beta_dtype=_FLOAT[beta.dtype], o_dtype=_FLOAT[out.dtype],
+            mode="kda", state_v_first=key[5], qk_dtype=FLOAT[q.dtype], v_dtype=FLOAT[v.dtype],
+            g_dtype=FLOAT[g.dtype], beta_dtype=FLOAT[beta.dtype], o_dtype=FLOAT[out.dtype],
             has_h0=key[6], has_ht=has_ht, varlen=cu_seqlens is not None,
-            cu_dtype=_INT[cu_seqlens.dtype] if cu_seqlens is not None else "int32",
-            pool=key[9], idx_dtype=_INT[key[10]] if pool else "int32",
-            spec=key[11] is not None, na_dtype=_INT[key[11]] if key[11] is not None else "int32",
+            cu_dtype=INT[cu_seqlens.dtype] if cu_seqlens is not None else "int32",
+            pool=key[9], idx_dtype=INT[key[10]] if pool else "int32",
+            spec=key[11] is not None, na_dtype=INT[key[11]] if key[11] is not None else "int32",
             l2norm=key[12], gate_in_kernel=gate, has_A=has_A,
-            a_dtype=_FLOAT[A_log.dtype] if has_A else "float32", has_bias=has_bias,
-            bias_dtype=_FLOAT[dt_bias.dtype] if has_bias else "float32",
+            a_dtype=FLOAT[A_log.dtype] if has_A else "float32", has_bias=has_bias,
+            bias_dtype=FLOAT[dt_bias.dtype] if has_bias else "float32",
             has_lower_bound=has_lb, beta_sigmoid=sig, neg_eigval=key[18])
         fn = get_kernel(cfg)
         _cfg_cache[key] = fn
@@ -232,8 +173,8 @@ def run(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_sta
         A_log = A_log.view(-1)
     if has_bias and dt_bias.ndim != 1:
         dt_bias = dt_bias.view(-1)
-    fn(q, k, v, g, beta, A_log if has_A else None, dt_bias if has_bias else None,
-       initial_state, final if has_ht else None, out, cu_seqlens,
-       ssm_state_indices, num_accepted_tokens if pool else None,
-       float(scale), float(lower_bound) if has_lb else 0.0)
+    launch(fn, q.device, q, k, v, g, beta, A_log if has_A else None, dt_bias if has_bias else None,
+            initial_state, final if has_ht else None, out, cu_seqlens,
+            ssm_state_indices, num_accepted_tokens if pool else None,
+            float(scale), float(lower_bound) if has_lb else 0.0)
     return out, final

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from fla_cula.kernels.kda_decode import _FLOAT, _I31, _INT, _KV, _aligned, _qk_reason, _seqs_reason, _state_reason
+from fla_cula.kernels._host import FLOAT, I31, INT, KV, aligned, launch, qk_reason, seqs_reason, state_reason
 from fla_cula.kernels.recurrent_decode import DecodeConfig, get_kernel
 
 
@@ -17,13 +17,13 @@ def check(q, k, v, g_gamma, scale, initial_state, output_final_state, reverse, s
           cu_seqlens) -> str | None:
     if reverse:
         return "reverse=True: kernel is forward-in-time only"
-    r = _qk_reason((("q", q), ("k", k), ("v", v)))
+    r = qk_reason((("q", q), ("k", k), ("v", v)))
     if r:
         return r
     B, T, H, K = q.shape
     if v.ndim != 4 or tuple(v.shape[:3]) != (B, T, H):
         return f"v shape {tuple(v.shape)}: expected [{B}, {T}, {H}, V]"
-    if v.shape[3] != _KV:
+    if v.shape[3] != KV:
         return f"value dim {v.shape[3]}: kernel supports 128"
     dev = q.device
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -31,9 +31,9 @@ def check(q, k, v, g_gamma, scale, initial_state, output_final_state, reverse, s
             return f"{name} on {x.device}, q on {dev}"
         if not x.is_contiguous():
             return f"{name} not contiguous"
-        if x.numel() >= _I31:
+        if x.numel() >= I31:
             return f"{name} has >= 2^31 elements"
-        if not _aligned(x):
+        if not aligned(x):
             return f"{name} not 16-byte aligned"
     if not isinstance(g_gamma, torch.Tensor) or g_gamma.dtype != torch.float32:
         return "g_gamma: expected a float32 tensor"
@@ -42,14 +42,14 @@ def check(q, k, v, g_gamma, scale, initial_state, output_final_state, reverse, s
         return f"g_gamma shape {tuple(g_gamma.shape)}: expected contiguous [{H}] on {dev}"
     if not isinstance(scale, (int, float)) or not math.isfinite(scale):
         return f"scale {scale!r}: expected a finite float"
-    r, N = _seqs_reason(cu_seqlens, B, dev)
+    r, N = seqs_reason(cu_seqlens, B, dev)
     if r:
         return r
     if initial_state is not None:
-        r = _state_reason(initial_state, N, H, K, _KV, state_v_first, q, "initial_state")
+        r = state_reason(initial_state, N, H, K, KV, state_v_first, q, "initial_state")
         if r:
             return r
-        if initial_state.shape[0] != N or (N > 1 and initial_state.stride(0) != H * K * _KV):
+        if initial_state.shape[0] != N or (N > 1 and initial_state.stride(0) != H * K * KV):
             return (f"initial_state batch {initial_state.shape[0]}: expected {N} contiguous states")
     return None
 
@@ -70,13 +70,13 @@ def run(q, k, v, g_gamma, scale, initial_state, output_final_state, reverse, sta
     fn = _cfg_cache.get(key)
     if fn is None:
         cfg = DecodeConfig(
-            mode="lightning", state_v_first=key[2], qk_dtype=_FLOAT[q.dtype],
-            v_dtype=_FLOAT[v.dtype], g_dtype="float32", beta_dtype="float32",
-            o_dtype=_FLOAT[q.dtype], has_h0=key[3], has_ht=key[4],
+            mode="lightning", state_v_first=key[2], qk_dtype=FLOAT[q.dtype],
+            v_dtype=FLOAT[v.dtype], g_dtype="float32", beta_dtype="float32",
+            o_dtype=FLOAT[q.dtype], has_h0=key[3], has_ht=key[4],
             varlen=cu_seqlens is not None,
-            cu_dtype=_INT[cu_seqlens.dtype] if cu_seqlens is not None else "int32")
+            cu_dtype=INT[cu_seqlens.dtype] if cu_seqlens is not None else "int32")
         fn = get_kernel(cfg)
         _cfg_cache[key] = fn
-    fn(q, k, v, g_gamma, None, None, None, initial_state, ht, o, cu_seqlens, None, None,
-       float(scale), 0.0)
+    launch(fn, q.device, q, k, v, g_gamma, None, None, None, initial_state, ht, o, cu_seqlens, None, None,
+            float(scale), 0.0)
     return o, ht
