@@ -126,7 +126,7 @@ def fused_recurrent_kda_fwd(
             use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out)
     if torch.compiler.is_compiling():
         return _fwd_traced(*args)
-    return _fwd_eager(*args, **kwargs)
+    return _fwd_eager(args, kwargs)
 
 
 def _fwd_traced(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
@@ -156,10 +156,10 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             out: torch.Tensor) -> torch.Tensor:
     """The routed call (kernel or FLA), writing `out` (and the pool when in place). Returns the new final
     state, or an empty tensor when FLA returns none or the pool itself (a custom op may not return an alias)."""
-    _, fs = _fwd_eager(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
-                       inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
-                       use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                       lower_bound, out)
+    _, fs = _fwd_eager((q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
+                        inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+                        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                        lower_bound, out), {})
     return q.new_empty(0) if fs is None or inplace_final_state else fs
 
 
@@ -174,15 +174,13 @@ def _(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state
     return q.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)
 
 
-def _fwd_eager(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
-               state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
-               use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out, **kwargs):
-    args = (q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, inplace_final_state,
-            state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens, use_qk_l2norm_in_kernel,
-            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, out)
+def _fwd_eager(args: tuple, kwargs: dict):
+    """The routed eager call; `args` are fused_recurrent_kda_fwd's 21 named arguments in order."""
     if routing.in_fallback():  # FLA's own fused_recurrent_kda calling its fwd by module global
         return routing.call_fla(FLA_FUSED_RECURRENT_KDA_FWD, *args, **kwargs)
     op = "fused_recurrent_kda_fwd"
+    q, k, v, g, beta = args[:5]
+    initial_state, scale, out = args[7], args[8], args[20]
     if scale is None:
         scale = k.shape[-1] ** -0.5
     reason = routing.common_reason(q, k, v, g, beta, initial_state, out) or _DECODE.reason()
