@@ -1,4 +1,4 @@
-"""python -m parity [--quick] [--cpu] [--out DIR] [--ops OP ...] [--seed N] [--list]"""
+"""python -m parity [--quick] [--cpu] [--out DIR] [--ops OP ...] [--seed N] [--jobs N] [--budget S] [--list]"""
 
 from __future__ import annotations
 
@@ -23,7 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="print the case ids and exit")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds: start no new case after this; the report lists what did not run (exit 3)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="worker processes sharing the GPU (FLA's Triton compiles run in parallel); default 1")
     args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
 
     seed = args.seed if args.seed is not None else int(time.time()) % 100000
 
@@ -48,12 +52,13 @@ def main(argv: list[str] | None = None) -> int:
         print("parity: no CUDA device. Use --cpu for the reference checks, or run on the H200.", file=sys.stderr)
         return 2
 
-    from parity import report
+    from parity import pool, report
     from parity.machine import machine_header
-    from parity.runner import cula_functions, fla_functions, run_case
+    from parity.runner import cula_functions, fla_functions
 
-    fla_fns = fla_functions()
-    cula_fns = cula_functions()
+    fla_fns = cula_fns = None
+    if args.jobs == 1:
+        fla_fns, cula_fns = fla_functions(), cula_functions()
     device = torch.device("cuda", torch.cuda.current_device())
     header = machine_header()
     header["grid"] = ("quick" if args.quick else "full") + (f", ops {args.ops}" if args.ops else "") + (
@@ -64,36 +69,38 @@ def main(argv: list[str] | None = None) -> int:
 
     records: list[dict] = []
     t0 = time.perf_counter()
-    op_t0, cur_op = t0, None
     fatal = False
-    not_run: list[str] = []
-    for i, case in enumerate(cases):
-        if args.budget is not None and time.perf_counter() - t0 > args.budget:
-            not_run = [c.id for c in cases[i:]]
-            print(f"parity: budget of {args.budget:.0f} s reached; {len(not_run)} cases not run", flush=True)
-            break
-        if case.op != cur_op:
-            if cur_op is not None:
-                print(f"  [{cur_op}: {time.perf_counter() - op_t0:.1f} s]", flush=True)
-                report.write(records, header, args.out, args.tag)  # partial report survives a crash
-            cur_op, op_t0 = case.op, time.perf_counter()
-        if case.padded:  # report written first: a padding-slot case could crash the process
-            report.write(records, header, args.out, args.tag)
-        rec = run_case(case, cula_fns, fla_fns, device, seed)
-        records.append(rec)
+    not_run: dict[int, str] = {}
+    results = (_serial(cases, cula_fns, fla_fns, device, seed, args.budget, t0) if args.jobs == 1
+               else pool.run_parallel(cases, args.jobs, seed, args.budget))
+    done = 0
+    by_index: dict[int, dict] = {}
+    for i, rec in results:
+        if isinstance(rec, str):
+            not_run[i] = rec
+            continue
+        done += 1
+        by_index[i] = rec
         mark = "ok  " if rec["status"] == "pass" else "FAIL"
-        print(f"{mark} {i + 1:4d}/{len(cases)} {rec['seconds']:6.2f}s {case.id}  [{rec['route']}]"
+        print(f"{mark} {done:4d}/{len(cases)} {rec['seconds']:6.2f}s {rec['id']}  [{rec['route']}]"
               + ("" if rec["status"] == "pass" else "  " + "; ".join(rec.get("notes", []))), flush=True)
         if rec.get("fatal"):
-            print("parity: CUDA error is sticky; stopping here", flush=True)
+            print(f"parity: CUDA error (sticky) in {rec['id']}", flush=True)
             fatal = True
-            break
-    if cur_op is not None:
-        print(f"  [{cur_op}: {time.perf_counter() - op_t0:.1f} s]", flush=True)
-    header["wall time"] = f"{time.perf_counter() - t0:.1f} s" + (" (stopped early: CUDA error)" if fatal else "")
+        if done % 5 == 0:  # a partial report survives a crash
+            report.write([by_index[j] for j in sorted(by_index)], header, args.out, args.tag)
+    records = [by_index[j] for j in sorted(by_index)]  # grid order, whatever the completion order
+    for op in dict.fromkeys(c.op for c in cases):
+        secs = sum(r["seconds"] for r in records if r["op"] == op)
+        print(f"  [{op}: {secs:.1f} s in cases]", flush=True)
+    header["wall time"] = (f"{time.perf_counter() - t0:.1f} s" + (f", {args.jobs} worker processes" if args.jobs > 1
+                           else "") + (" (CUDA error: see the failing case)" if fatal else ""))
     if not_run:
-        header["INCOMPLETE"] = (f"time budget {args.budget:.0f} s reached: {len(not_run)} of {len(cases)} cases "
-                                f"not run (first: {not_run[0]}; last: {not_run[-1]})")
+        first, last = min(not_run), max(not_run)
+        reasons = sorted(set(not_run.values()))
+        header["INCOMPLETE"] = (f"{len(not_run)} of {len(cases)} cases not run ({'; '.join(reasons)}); first: "
+                                f"{cases[first].id}; last: {cases[last].id}")
+        print(f"parity: {header['INCOMPLETE']}", flush=True)
     md, js = report.write(records, header, args.out, args.tag)
     s = report.summarize(records)
     print(f"parity: {s['cases']} cases, {s['passed']} passed, {s['failed']} failed, "
@@ -102,6 +109,22 @@ def main(argv: list[str] | None = None) -> int:
     if s["failed"] or fatal:
         return 1
     return 3 if not_run else 0
+
+
+def _serial(cases, cula_fns, fla_fns, device, seed, budget, t0):
+    """Cases one after another in this process: (index, record or reason not run)."""
+    from parity.runner import run_case
+
+    broken = None
+    for i, case in enumerate(cases):
+        if broken:
+            yield i, f"CUDA context broken by {broken}"
+        elif budget is not None and time.perf_counter() - t0 > budget:
+            yield i, "time budget reached"
+        else:
+            rec = run_case(case, cula_fns, fla_fns, device, seed)
+            broken = case.id if rec.get("fatal") else None
+            yield i, rec
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Everything the H200 is needed for, in one run (< 10 minutes):
-#   build the extension, `python -m fla_cula info`, GPU pytest, `python -m parity`,
-#   `python -m benchmarks --quick`; full reports into OUTDIR, a short summary table printed LAST.
+# Everything the H200 is needed for (build the extension, `python -m fla_cula info`, GPU pytest,
+# the README's model demo, `python -m parity`, `python -m benchmarks --quick`); full reports into
+# OUTDIR, a short summary table printed LAST. A device call is limited to 10 minutes: on a fresh
+# machine (FLA's Triton kernels compile and autotune for minutes) split the steps over two calls:
+#   STEPS="build info pytest demo" ...   then   STEPS="parity bench" ...
 #
 #   source /opt/gpu-env.sh && bash scripts/gpu_check.sh "$OUT"
 #
@@ -9,7 +11,8 @@
 # REPORT_H200.md, report_H200.json, BENCHMARK_H200.md, benchmark_H200.json, triton_autotune.tgz
 # (carry it back as .tcache/triton_autotune.tgz next time to skip FLA's autotuning).
 # Per-step time limits (seconds) and extra arguments can be overridden from the environment:
-#   T_BUILD T_INFO T_PYTEST T_PARITY T_BENCH; PARITY_ARGS (e.g. "--quick"), BENCH_ARGS, PYTEST_ARGS.
+#   T_BUILD T_INFO T_PYTEST T_DEMO T_PARITY T_BENCH; PARITY_ARGS (e.g. "--quick"), PARITY_JOBS (worker
+#   processes, default 8), BENCH_ARGS, PYTEST_ARGS.
 set -u
 OUTDIR="${1:?usage: scripts/gpu_check.sh OUTDIR}"
 mkdir -p "$OUTDIR"
@@ -21,10 +24,9 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # the checkout's fla_cula, parity, benchmarks
 export FLA_CULA_COMMIT="${FLA_CULA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
-T_BUILD="${T_BUILD:-90}"; T_INFO="${T_INFO:-60}"; T_PYTEST="${T_PYTEST:-240}"
+T_BUILD="${T_BUILD:-90}"; T_INFO="${T_INFO:-60}"; T_PYTEST="${T_PYTEST:-240}"; T_DEMO="${T_DEMO:-180}"
 T_PARITY="${T_PARITY:-240}"; T_BENCH="${T_BENCH:-300}"
-# STEPS: which steps to run (a device call is limited to 10 minutes: split across two calls if needed)
-STEPS=" ${STEPS:-build info pytest parity bench} "
+STEPS=" ${STEPS:-build info pytest demo parity bench} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 
 declare -a NAMES STATUSES SECS
@@ -55,9 +57,13 @@ build() {
 
 # Triton autotune results from an earlier run (FLA's chunk kernels autotune for minutes on a fresh
 # machine): restore them if carried in .tcache/, and save this run's into OUTDIR at the end.
-TRITON_CACHE="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
+# Parity gets its own Triton cache: its worker processes autotune FLA side by side on one GPU, and
+# configurations picked under that contention must not be the ones the benchmarks time.
+TRITON_HOME="$HOME/.triton"
+export TRITON_CACHE_DIR="$TRITON_HOME/cache" TRITON_CACHE_AUTOTUNING=1   # autotune results kept on disk
+PARITY_TRITON_CACHE="$TRITON_HOME/parity"
 if [ -f .tcache/triton_autotune.tgz ]; then
-  mkdir -p "$TRITON_CACHE" && tar xzf .tcache/triton_autotune.tgz -C "$TRITON_CACHE" && \
+  mkdir -p "$TRITON_HOME" && tar xzf .tcache/triton_autotune.tgz -C "$TRITON_HOME" && \
     echo "restored $(tar tzf .tcache/triton_autotune.tgz | wc -l) Triton autotune results" | tee -a "$LOG"
 fi
 # GPU tests in parallel processes when pytest-xdist is there: kernel compiles dominate their time
@@ -67,12 +73,14 @@ want build && step build "$T_BUILD" bash -c "$(declare -f build); build"
 want info && step info "$T_INFO" python -m fla_cula info
 want pytest && step pytest "$T_PYTEST" python -m pytest tests/gpu tests/test_extension.py -q -rs -p no:cacheprovider \
   $XDIST --junitxml="$OUTDIR/junit_gpu.xml" ${PYTEST_ARGS:-}
+want demo && step demo "$T_DEMO" python -m fla_cula demo
 # parity stops starting cases 25 s before its limit and reports what it did not run (exit 3)
-want parity && step parity "$T_PARITY" python -m parity --out "$OUTDIR" --budget $((T_PARITY - 25)) ${PARITY_ARGS:-}
+want parity && step parity "$T_PARITY" env TRITON_CACHE_DIR="$PARITY_TRITON_CACHE" python -m parity \
+  --out "$OUTDIR" --jobs "${PARITY_JOBS:-8}" --budget $((T_PARITY - 25)) ${PARITY_ARGS:-}
 want bench && step benchmarks "$T_BENCH" python -m benchmarks --quick --out "$OUTDIR" ${BENCH_ARGS:-}
 
-( cd "$TRITON_CACHE" 2>/dev/null && find . -name "*.autotune.json" | tar czf "$OUTDIR/triton_autotune.tgz" -T - ) \
-  2>/dev/null || true
+( cd "$TRITON_HOME" 2>/dev/null && find cache parity -name "*.autotune.json" 2>/dev/null | \
+  tar czf "$OUTDIR/triton_autotune.tgz" -T - ) 2>/dev/null || true
 {
   echo
   echo "================ gpu_check summary ($FLA_CULA_COMMIT) ================"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prepare the H200 bundles from the CPU machine (project root): the shared recipe (FLA, CuTe DSL,
-# CUTLASS headers) plus what fla_cula needs beyond it: the apache-tvm-ffi wheel for Python 3.12.
+# CUTLASS headers) plus what fla_cula needs beyond it: the apache-tvm-ffi wheel for Python 3.12, and
+# pytest-xdist (GPU tests in parallel processes: kernel compiles dominate their time).
 #   bash scripts/stage_device.sh
 # then, on the device:  run 1 carry [".gpu/a"]          : bash .gpu/a/recv.sh
 #                       run 2 carry [".gpu/b", ".whl"]  : source .gpu/b/env.sh && \
@@ -14,6 +15,6 @@ for d in /.whl/ /.tcache/ /.sweep/; do grep -qx "$d" .git/info/exclude || echo "
 mkdir -p .whl .tcache
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-  -d .whl "apache-tvm-ffi==0.1.15.post2" 2>&1 | grep -v '^WARNING: Location' || true
+  -d .whl "apache-tvm-ffi==0.1.15.post2" "pytest-xdist==3.8.0" "execnet==2.1.1" 2>&1 | grep -v '^WARNING: Location' || true
 ls -la .whl .tcache
 echo "staged; put the last run's triton_autotune.tgz into .tcache/ to skip FLA's autotuning"

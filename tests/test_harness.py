@@ -281,3 +281,36 @@ def test_benchmark_report():
     assert "| B=1 T=1 H=32 | graph | 200.0 µs | 100.0 µs | 2.00 | kernel |" in md
     assert "2.00" in breport.short_table(recs)
     assert breport.speedup(None, 1.0) is None
+
+
+def test_parity_serial_loop_budget_and_sticky_error(monkeypatch):
+    """python -m parity's case loop: a sticky CUDA error stops further cases in that process, the
+    budget stops new cases, and both are reported per case (never silently dropped)."""
+    import time
+
+    import parity.__main__ as pmain
+    import parity.runner as prunner
+
+    cases = grid(["fused_recurrent_lightning_attn"], quick=True)[:4]
+    calls = []
+
+    def fake_run_case(case, cula_fns, fla_fns, device, seed):
+        calls.append(case.id)
+        return {"id": case.id, "fatal": len(calls) == 2}
+
+    monkeypatch.setattr(prunner, "run_case", fake_run_case)
+    out = list(pmain._serial(cases, {}, {}, None, 0, None, time.perf_counter()))
+    assert [i for i, _ in out] == [0, 1, 2, 3] and len(calls) == 2
+    assert out[2][1] == out[3][1] == f"CUDA context broken by {cases[1].id}"
+    calls.clear()
+    out = list(pmain._serial(cases, {}, {}, None, 0, 0.0, time.perf_counter() - 1))
+    assert calls == [] and all(r == "time budget reached" for _, r in out)
+
+
+
+def test_parity_rejects_bad_jobs(capsys):
+    import parity.__main__ as pmain
+
+    with pytest.raises(SystemExit) as e:
+        pmain.main(["--jobs", "0", "--list"])
+    assert e.value.code == 2 and "--jobs must be >= 1, got 0" in capsys.readouterr().err

@@ -174,6 +174,8 @@ class RecurrentDecode:
 
     def __init__(self, cfg: DecodeConfig):
         assert cfg.K == 128 and cfg.V % cfg.bv == 0 and cfg.bv % 8 == 0
+        if cfg.kv_rows and not cfg.state_v_first and cfg.bv != 32:
+            raise ValueError(f"kv_rows maps 4 warps x 32 value columns: bv must be 32, got {cfg.bv}")
         self.cfg = cfg
 
     # ------------------------------------------------------------------------------------------

@@ -262,31 +262,43 @@ def test_lightning_no_initial_state():
 
 
 # ---------------------------------------------------------------------------------------------
-# The row-coalesced [K,V] mapping (DecodeConfig.kv_rows), a candidate until the H200 sweep picks it:
-# the same checks as above, run with the knob on.
-@pytest.fixture
-def kv_rows():
+# Tuning candidates (DecodeConfig knobs the H200 sweep, benchmarks/variants.py, chooses between):
+# the row-coalesced [K,V] mapping and narrower / wider CTAs. The same checks as above, knob on, so
+# whichever the sweep picks as a default is already tested.
+TUNINGS = {"kv_rows": {"kv_rows": True}, "bv16": {"bv": 16}, "bv64": {"bv": 64}}
+
+
+@pytest.fixture(params=list(TUNINGS))
+def tuned(request):
     from fla_cula.kernels import recurrent_decode
-    recurrent_decode.set_tuning(kv_rows=True)
-    yield recurrent_decode
-    assert any(c.kv_rows for c in recurrent_decode._fn_cache), "the kv_rows kernel never ran"
-    recurrent_decode.set_tuning()
+    knobs = TUNINGS[request.param]
+    recurrent_decode.set_tuning(**knobs)
+    try:
+        yield knobs
+        ran = [c for c in recurrent_decode._fn_cache if all(getattr(c, k) == x for k, x in knobs.items())]
+        assert ran, f"no kernel with {knobs} ran"
+    finally:
+        recurrent_decode.set_tuning()
 
 
 @pytest.mark.parametrize("T", [1, 4])
 @pytest.mark.parametrize("gname", ["precomputed", "softplus", "lb_A_bias"])
-def test_kv_rows_kda(kv_rows, T, gname):
+def test_tuned_kda(tuned, T, gname):
     test_kda_fused_recurrent(T, False, gname, "l2_sig")
 
 
+def test_tuned_kda_vk(tuned):
+    test_kda_fused_recurrent(4, True, "softplus", "l2_sig")
+
+
 @pytest.mark.parametrize("spec", [False, True], ids=["nospec", "spec"])
-def test_kv_rows_pool(kv_rows, spec):
+def test_tuned_pool(tuned, spec):
     test_kda_pool_2d(False, spec, torch.int32)
 
 
 @pytest.mark.parametrize("T", [1, 4])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_kv_rows_lightning(kv_rows, T, varlen):
+def test_tuned_lightning(tuned, T, varlen):
     test_lightning(T, False, varlen)
 
 
