@@ -62,16 +62,22 @@ def _use(mod_rd, variant: dict):
         recurrent_decode.set_tuning(**variant)
         return
     names = {f.name for f in dataclasses.fields(mod_rd.DecodeConfig)}
-    for host in (kda_decode, lightning_decode):  # an older module: translate the configs it knows
+
+    def old_kernel(cfg, m=mod_rd):  # an older module: translate the configs it knows
+        fn = m.get_kernel(m.DecodeConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                                            if f.name in names}))
+        return fn if isinstance(fn, tuple) else ((lambda *a: fn(*a[:-1])), 0)
+
+    for host in (kda_decode, lightning_decode):
         host._cfg_cache.clear()
-        host.get_kernel = lambda cfg, m=mod_rd: m.get_kernel(m.DecodeConfig(
-            **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name in names}))
+        host.get_kernel = old_kernel
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default='{"default": {}, "kv_rows": {"kv_rows": true}, '
-                                          '"bv16": {"bv": 16}, "bv64": {"bv": 64}}')
+    ap.add_argument("--variants", default='{"default": {}, "kv_rows": {"kv_rows": true}, "bv16": {"bv": 16}, '
+                                          '"bv64": {"bv": 64}, "stages2": {"stages": 2}, "stages3": {"stages": 3}, '
+                                          '"stages4": {"stages": 4, "ctas_per_sm": 3}}')
     ap.add_argument("--old-module", default=None, help="file of an earlier recurrent_decode.py ('old' row)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--batches", default="1,8,32,128,256")

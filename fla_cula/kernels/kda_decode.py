@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from fla_cula.kernels._host import FLOAT, I31, INT, KV, aligned, launch, qk_reason, seqs_reason, state_reason
+from fla_cula.kernels._host import FLOAT, I31, INT, KV, aligned, launch, max_ctas, qk_reason, seqs_reason, state_reason
 from fla_cula.kernels.recurrent_decode import DecodeConfig, get_kernel
 
 
@@ -154,8 +154,8 @@ def run(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_sta
            None if (not pool or num_accepted_tokens is None) else num_accepted_tokens.dtype,
            bool(use_qk_l2norm_in_kernel), gate, None if not has_A else A_log.dtype,
            None if not has_bias else dt_bias.dtype, has_lb, sig, sig and bool(allow_neg_eigval))
-    fn = _cfg_cache.get(key)
-    if fn is None:
+    ent = _cfg_cache.get(key)
+    if ent is None:
         cfg = DecodeConfig(
             mode="kda", state_v_first=key[5], qk_dtype=FLOAT[q.dtype], v_dtype=FLOAT[v.dtype],
             g_dtype=FLOAT[g.dtype], beta_dtype=FLOAT[beta.dtype], o_dtype=FLOAT[out.dtype],
@@ -167,8 +167,8 @@ def run(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_sta
             a_dtype=FLOAT[A_log.dtype] if has_A else "float32", has_bias=has_bias,
             bias_dtype=FLOAT[dt_bias.dtype] if has_bias else "float32",
             has_lower_bound=has_lb, beta_sigmoid=sig, neg_eigval=key[18])
-        fn = get_kernel(cfg)
-        _cfg_cache[key] = fn
+        ent = _cfg_cache[key] = get_kernel(cfg)
+    fn, per_sm = ent
     if has_A and A_log.ndim != 1:
         A_log = A_log.view(-1)
     if has_bias and dt_bias.ndim != 1:
@@ -176,5 +176,5 @@ def run(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_sta
     launch(fn, q.device, q, k, v, g, beta, A_log if has_A else None, dt_bias if has_bias else None,
             initial_state, final if has_ht else None, out, cu_seqlens,
             ssm_state_indices, num_accepted_tokens if pool else None,
-            float(scale), float(lower_bound) if has_lb else 0.0)
+            float(scale), float(lower_bound) if has_lb else 0.0, max_ctas(q.device, per_sm))
     return out, final

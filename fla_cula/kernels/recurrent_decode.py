@@ -30,6 +30,7 @@ from dataclasses import dataclass, fields
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
+from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
 from fla_cula.jit import KernelSpec, get_compiled, register_kernel
@@ -94,6 +95,35 @@ def _state_view(VF, KVROW, t2d, vc, kl):
     return _al(cute.make_tensor(t2d.iterator + off, lay), 16)
 
 
+def _state_atom_view(VF, t2d, vc, kl):
+    """The thread's state fragment (as _state_view) shaped for a 16-byte cp.async atom:
+    ((4 contiguous floats), 8 chunks); chunk order matches _stage_view."""
+    if VF:
+        kk = t2d.shape[1]  # chunk c = h + 2 jv: k half h, value row jv
+        lay = cute.make_layout(((4,), (2, 4)), stride=((1,), (64, kk)))
+        off = 4 * vc * kk + 4 * kl
+    else:
+        vv = t2d.shape[1]  # chunk c = r + 4 h: row k = 4 kl + r + 64 h
+        lay = cute.make_layout(((4,), (4, 2)), stride=((1,), (vv, 64 * vv)))
+        off = 4 * kl * vv + 4 * vc
+    return _al(cute.make_tensor(t2d.iterator + off, lay), 16)
+
+
+def _stage_view(VF, sStage, stage, tidx, CH, atom):
+    """The thread's 8 x 16-byte chunks in shared-memory stage `stage`: chunk c of thread t at float
+    offset c*CH + 4t (CH = 4 x threads), so a warp's 16-byte accesses hit consecutive banks.
+    atom=True: shaped like _state_atom_view (the cp.async destination); False: shaped like the
+    register fragment rS of _state_view (the read back)."""
+    base = sStage.iterator + stage * (8 * CH) + 4 * tidx
+    if atom:
+        lay = cute.make_layout(((4,), (2, 4)), stride=((1,), (CH, 2 * CH))) if VF else \
+            cute.make_layout(((4,), (4, 2)), stride=((1,), (CH, 4 * CH)))
+    else:
+        lay = cute.make_layout((4, (4, 2)), stride=(2 * CH, (1, CH))) if VF else \
+            cute.make_layout(((4, 2), 4), stride=((CH, 4 * CH), 1))
+    return _al(cute.make_tensor(base, lay), 16)
+
+
 def _sget(rS, VF, i, j):
     """State element (k = kmap(i), v = 4vc + j) of the thread fragment, in either layout."""
     return rS[j, i] if VF else rS[i, j]
@@ -153,6 +183,12 @@ class DecodeConfig:
     # over lanes and warps, reduced by shuffles + one shared-memory exchange per token. Candidate
     # from the ncu profile (L1/L2-bound at 88-96% with DRAM at 62-71%); off until measured.
     kv_rows: bool = False
+    # >= 2: persistent CTAs (grid = min(tiles, SMs x ctas_per_sm)) that walk the tiles and prefetch
+    # the state of the tile `stages - 1` ahead into shared memory with cp.async, so the bytes in
+    # flight per SM no longer depend on the registers (the v2 profile: DRAM 62-71% at B=256).
+    # 0: one CTA per tile, the state loaded straight into registers.
+    stages: int = 0
+    ctas_per_sm: int = 4           # stages >= 2: resident CTAs per SM asked of ptxas and launched
 
     def key(self):
         return tuple((f.name, getattr(self, f.name)) for f in fields(self))
@@ -176,6 +212,8 @@ class RecurrentDecode:
         assert cfg.K == 128 and cfg.V % cfg.bv == 0 and cfg.bv % 8 == 0
         if cfg.kv_rows and not cfg.state_v_first and cfg.bv != 32:
             raise ValueError(f"kv_rows maps 4 warps x 32 value columns: bv must be 32, got {cfg.bv}")
+        if cfg.stages == 1 or cfg.stages < 0 or (cfg.stages and cfg.kv_rows and not cfg.state_v_first):
+            raise ValueError(f"stages must be 0 or >= 2 and not combined with kv_rows, got {cfg.stages}")
         self.cfg = cfg
 
     # ------------------------------------------------------------------------------------------
@@ -189,6 +227,9 @@ class RecurrentDecode:
         VF = cfg.state_v_first
         POOL = cfg.pool
         KVROW = cfg.kv_rows and not VF
+        STAGES = cfg.stages
+        NVB = V // BV
+        CH = NTHR * 4  # shared-memory stage: 8 chunks x NTHR threads x 4 floats (conflict-free)
         f32 = Float32
 
         def fexp(x):
@@ -197,34 +238,23 @@ class RecurrentDecode:
         def sigmoid(x):
             return f32(1.0) / (f32(1.0) + fexp(-x))
 
-        @cute.kernel
-        def kernel(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
-                   mBeta: cute.Tensor, mA: cute.Tensor, mBias: cute.Tensor, mH0: cute.Tensor,
-                   mHt: cute.Tensor, mO: cute.Tensor, mCu: cute.Tensor, mIdx: cute.Tensor,
-                   mNa: cute.Tensor, scale: f32, lower_bound: f32):
-            tidx, _, _ = cute.arch.thread_idx()
-            vb, hv, n = cute.arch.block_idx()
-            lane = tidx % 32
-            warp = tidx // 32
-            # kl: the thread's K position (warp-K mapping: lane % 16; row mapping: first row kb)
-            # vc: its column group, v in [4vc, 4vc+4); wr: whether it writes o (one writer per column)
-            kl = lane % 16
-            vc = vb * (BV // 4) + warp * 2 + lane // 16
-            wr = kl == 0
-            if cutlass.const_expr(KVROW):
+        def thread_map(vb, lane, warp):
+            """(kl, vc, wr) of a thread in column block vb; see _kvec / _state_view."""
+            if KVROW:
                 kl = 32 * warp + 8 * (lane // 8)
-                vc = vb * (BV // 4) + lane % 8
-                wr = kl == 0
-            if cutlass.const_expr(KVROW):
-                sRed = cutlass.memory.SmemAllocator().allocate_tensor(
-                    f32, cute.make_layout((2, 4, 8, 12), stride=(384, 96, 12, 1)),  # [parity, warp, vl, r]
-                    byte_alignment=16)
-            HQ = mQ.shape[2]
-            HVn = mV.shape[2]
-            hq = hv // (HVn // HQ)
-            Ttot = mQ.shape[1]
+                return kl, vb * (BV // 4) + lane % 8, kl == 0
+            kl = lane % 16
+            return kl, vb * (BV // 4) + warp * 2 + lane // 16, kl == 0
 
-            # ---- sequence bounds (clamped: values are never trusted) ----
+        @cute.jit
+        def tile_meta(tile, mQ: cute.Tensor, mCu: cute.Tensor, mIdx: cute.Tensor, mNa: cute.Tensor,
+                      mH0: cute.Tensor, HVn):
+            """Tile -> (vb, hv, n), the sequence's batch row b, first token bos, length Tn, whether
+            it is active and which state slot it reads (values are clamped, never trusted)."""
+            vb = tile % NVB
+            hv = (tile // NVB) % HVn
+            n = tile // (NVB * HVn)
+            Ttot = mQ.shape[1]
             b = n
             bos = Int32(0)
             Tn = Ttot
@@ -236,8 +266,7 @@ class RecurrentDecode:
                 s1 = cutlass.max(cutlass.min(s1, Ttot), s0)
                 bos = s0
                 Tn = s1 - s0
-
-            # ---- pool slot to read (continuous batching) ----
+            # pool slot to read (continuous batching)
             active = Int32(1)
             rslot = Int64(n)
             if cutlass.const_expr(POOL != 0):
@@ -245,199 +274,267 @@ class RecurrentDecode:
                 t0 = Int32(0)
                 if cutlass.const_expr(cfg.spec):
                     t0 = Int32(mNa[n]) - 1
+                rs = Int64(-1)
                 if cutlass.const_expr(POOL == 1):
                     j = n + t0
-                    rs = Int64(-1)
                     if t0 >= 0 and j < mIdx.shape[0]:
                         rs = Int64(mIdx[j])
-                    rslot = rs
                 else:
-                    rs = Int64(-1)
                     if t0 >= 0 and t0 < mIdx.shape[1]:
                         rs = Int64(mIdx[n, t0])
-                    rslot = rs
+                rslot = rs
                 if rslot < 0 or rslot >= Int64(npool) or Tn == 0:
                     active = Int32(0)
+            return vb, hv, n, b, bos, Tn, active, rslot
 
-            # ---- registers: state fragment + one token's raw inputs (prefetch buffers) ----
-            # rS holds the thread's 32 state elements; S(i, j) names element (k=kmap(i), v=4vc+j)
-            # in either layout (trace-time index swap, no data movement).
-            rS = cute.make_rmem_tensor((4, 8) if VF else (8, 4), f32)
-            rS.fill(0.0)
-            rq8 = cute.make_rmem_tensor((8,), mQ.element_type)
-            rk8 = cute.make_rmem_tensor((8,), mK.element_type)
-            rv4 = cute.make_rmem_tensor((4,), mV.element_type)
-            ro4 = cute.make_rmem_tensor((4,), mO.element_type)
-            rdec = cute.make_rmem_tensor((8,), f32)
-            rg8 = cute.make_rmem_tensor((8,), mG.element_type if KDA else f32)
-            rg8.fill(0.0)
-            rbt = cute.make_rmem_tensor((1,), f32)
-            rbt[0] = f32(0.0)
+        @cute.jit
+        def prefetch(tile, stage, ntiles, tidx, sStage: cute.Tensor, mQ: cute.Tensor, mCu: cute.Tensor,
+                     mIdx: cute.Tensor, mNa: cute.Tensor, mH0: cute.Tensor, HVn):
+            """cp.async the thread's state fragment of `tile` into shared-memory stage `stage` and
+            commit one group (an empty one past the last tile or for an inactive tile)."""
+            if cutlass.const_expr(cfg.has_h0):
+                if tile < ntiles:
+                    vb, hv, n, b, bos, Tn, active, rslot = tile_meta(tile, mQ, mCu, mIdx, mNa, mH0, HVn)
+                    if active != 0:
+                        kl, vc, wr = thread_map(vb, tidx % 32, tidx // 32)
+                        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
+                                                   f32, num_bits_per_copy=128)
+                        cute.copy(atom, _state_atom_view(VF, mH0[rslot, hv, None, None], vc, kl),
+                                  _stage_view(VF, sStage, stage, tidx, CH, True))
+            cute.arch.cp_async_commit_group()
 
-            if active != 0:
-                # Issue order = latency order: token 0's inputs and the per-head constants first,
-                # then the 16 KiB state stream; nothing below waits until the decay multiply.
-                if Tn > 0:
-                    _load_tok(KDA, KVROW, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt, b, bos, hq, hv, kl, vc)
-                gam = f32(0.0)
-                if cutlass.const_expr(not KDA):
-                    gam = fexp(f32(mG[hq]))
-                aexp = f32(1.0)
-                if cutlass.const_expr(KDA and cfg.gate_in_kernel and cfg.has_A):
-                    aexp = fexp(f32(mA[hv]))
-                rbias = cute.make_rmem_tensor((8,), f32)
-                rbias.fill(0.0)
-                if cutlass.const_expr(KDA and cfg.gate_in_kernel and cfg.has_bias):
-                    rb8 = cute.make_rmem_tensor((8,), mBias.element_type)
-                    cute.autovec_copy(_kvec(cute.local_tile(mBias, (K,), (hv,)), kl, KVROW), rb8)
-                    rbias.store(rb8.load().to(f32))
-                if cutlass.const_expr(cfg.has_h0):
-                    cute.autovec_copy(_state_view(VF, KVROW, mH0[rslot, hv, None, None], vc, kl), rS)
-
-                for t in cutlass.range(Tn, unroll=1):
-                    if cutlass.const_expr(not cfg.prefetch_next) and t > 0:
-                        _load_tok(KDA, KVROW, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt,
-                                  b, bos + t, hq, hv, kl, vc)
-                    qf = rq8.load().to(f32)
-                    kf = rk8.load().to(f32)
-                    vf = rv4.load().to(f32)
-                    gf = rg8.load().to(f32)
-                    bt = rbt[0]
-                    if cutlass.const_expr(cfg.prefetch_next) and t + 1 < Tn:
-                        # prefetch the next token: its latency leaves the serial chain
-                        _load_tok(KDA, KVROW, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt,
-                                  b, bos + t + 1, hq, hv, kl, vc)
-                    # ---- decay ----
-                    if cutlass.const_expr(KDA):
-                        for i in cutlass.range_constexpr(8):
-                            gi = gf[i]
-                            if cutlass.const_expr(cfg.gate_in_kernel):
-                                gi = gi + rbias[i]
-                                if cutlass.const_expr(cfg.has_lower_bound):
-                                    gi = lower_bound * sigmoid(aexp * gi)
-                                else:
-                                    sp = gi
-                                    if gi <= f32(20.0):  # FLA's softplus threshold
-                                        sp = cute.math.log2(f32(1.0) + fexp(gi), fastmath=True) * LN2
-                                    gi = -aexp * sp
-                            rdec[i] = fexp(gi)
-                        for i in cutlass.range_constexpr(8):
-                            for jj in cutlass.range_constexpr(4):
-                                _sset(rS, VF, i, jj, _sget(rS, VF, i, jj) * rdec[i])
-                    else:
-                        for i in cutlass.range_constexpr(8):
-                            for jj in cutlass.range_constexpr(4):
-                                _sset(rS, VF, i, jj, _sget(rS, VF, i, jj) * gam)
-                    # ---- one batched reduction over K (16 lanes hold all of K) ----
-                    NR = 4 + (4 if KDA else 0) + 1 + (2 if cfg.l2norm else 0)
-                    red = cute.make_rmem_tensor((NR,), f32)
-                    for jj in cutlass.range_constexpr(4):
-                        aq = f32(0.0)
-                        for i in cutlass.range_constexpr(8):
-                            aq = aq + _sget(rS, VF, i, jj) * qf[i]
-                        red[jj] = aq
-                        if cutlass.const_expr(KDA):
-                            ak = f32(0.0)
-                            for i in cutlass.range_constexpr(8):
-                                ak = ak + _sget(rS, VF, i, jj) * kf[i]
-                            red[4 + jj] = ak
-                    base = 8 if KDA else 4
-                    kq = f32(0.0)
-                    for i in cutlass.range_constexpr(8):
-                        kq = kq + kf[i] * qf[i]
-                    red[base] = kq
-                    if cutlass.const_expr(cfg.l2norm):
-                        qq = f32(0.0)
-                        kk = f32(0.0)
-                        for i in cutlass.range_constexpr(8):
-                            qq = qq + qf[i] * qf[i]
-                            kk = kk + kf[i] * kf[i]
-                        red[base + 1] = qq
-                        red[base + 2] = kk
-                    if cutlass.const_expr(KVROW):
-                        # over the 4 row-lanes of a warp, then over the 4 warps through shared memory
-                        # (double-buffered by token parity: one barrier per token is enough)
-                        for sh in cutlass.range_constexpr(2):
-                            for r in cutlass.range_constexpr(NR):
-                                red[r] = red[r] + cute.arch.shuffle_sync_bfly(red[r], offset=8 << sh)
-                        par = t % 2
-                        if lane < 8:
-                            for r in cutlass.range_constexpr(NR):
-                                sRed[par, warp, lane, r] = red[r]
-                        cute.arch.barrier()
-                        for r in cutlass.range_constexpr(NR):
-                            acc = f32(0.0)
-                            for w in cutlass.range_constexpr(4):
-                                acc = acc + sRed[par, w, lane % 8, r]
-                            red[r] = acc
-                    else:
-                        for sh in cutlass.range_constexpr(4):
-                            for r in cutlass.range_constexpr(NR):
-                                red[r] = red[r] + cute.arch.shuffle_sync_bfly(red[r], offset=1 << sh)
-                    # ---- token update: u = beta (v - S'^T k);  o = S'^T q + (k.q) u;  S += k u^T ----
-                    rqn = scale
-                    rkn = f32(1.0)
-                    if cutlass.const_expr(cfg.l2norm):
-                        rqn = scale * cute.math.rsqrt(red[base + 1] + f32(1e-6), fastmath=False)
-                        rkn = cute.math.rsqrt(red[base + 2] + f32(1e-6), fastmath=False)
-                    kqn = red[base] * rkn
-                    ru = cute.make_rmem_tensor((4,), f32)
-                    if cutlass.const_expr(KDA):
-                        if cutlass.const_expr(cfg.beta_sigmoid):
-                            bt = sigmoid(bt)
-                            if cutlass.const_expr(cfg.neg_eigval):
-                                bt = bt * f32(2.0)
-                        for jj in cutlass.range_constexpr(4):
-                            ru[jj] = bt * (vf[jj] - rkn * red[4 + jj])
-                    else:
-                        for jj in cutlass.range_constexpr(4):
-                            ru[jj] = vf[jj]
-                    for jj in cutlass.range_constexpr(4):
-                        ro4[jj] = (rqn * (red[jj] + kqn * ru[jj])).to(mO.element_type)
-                    for i in cutlass.range_constexpr(8):
-                        ki = kf[i] * rkn
-                        for jj in cutlass.range_constexpr(4):
-                            _sset(rS, VF, i, jj, _sget(rS, VF, i, jj) + ki * ru[jj])
-                    if wr:
-                        cute.autovec_copy(ro4, _vvec(mO[b, bos + t, hv, None], vc))
-                    # ---- per-token state write into the pool (FLA continuous batching) ----
-                    if cutlass.const_expr(POOL != 0):
-                        ws = Int64(-1)
-                        if cutlass.const_expr(POOL == 1):
-                            j = n + t
-                            if j < mIdx.shape[0]:
-                                ws = Int64(mIdx[j])
-                        else:
-                            if t < mIdx.shape[1]:
-                                ws = Int64(mIdx[n, t])
-                        if ws >= 0 and ws < Int64(mH0.shape[0]):
-                            cute.autovec_copy(rS, _state_view(VF, KVROW, mH0[ws, hv, None, None], vc, kl))
-
-                if cutlass.const_expr(POOL == 0 and cfg.has_ht):
-                    cute.autovec_copy(rS, _state_view(VF, KVROW, mHt[n, hv, None, None], vc, kl))
+        @cute.kernel
+        def kernel(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
+                   mBeta: cute.Tensor, mA: cute.Tensor, mBias: cute.Tensor, mH0: cute.Tensor,
+                   mHt: cute.Tensor, mO: cute.Tensor, mCu: cute.Tensor, mIdx: cute.Tensor,
+                   mNa: cute.Tensor, scale: f32, lower_bound: f32):
+            tidx, _, _ = cute.arch.thread_idx()
+            lane = tidx % 32
+            warp = tidx // 32
+            if cutlass.const_expr(KVROW):
+                sRed = cutlass.memory.SmemAllocator().allocate_tensor(
+                    f32, cute.make_layout((2, 4, 8, 12), stride=(384, 96, 12, 1)),  # [parity, warp, vl, r]
+                    byte_alignment=16)
+            HQ = mQ.shape[2]
+            HVn = mV.shape[2]
+            nseq = mQ.shape[0]
+            if cutlass.const_expr(cfg.varlen):
+                nseq = mCu.shape[0] - 1
+            # tiles: (column block vb, value head hv, sequence n), vb fastest
+            ntiles = NVB * HVn * nseq
+            first = Int32(0)
+            step = Int32(1)
+            if cutlass.const_expr(STAGES == 0):
+                bx, by, bz = cute.arch.block_idx()
+                first = bx + NVB * (by + HVn * bz)
+                step = ntiles
             else:
-                # padding / empty sequence: touch no state; zero its output rows
-                if cutlass.const_expr(POOL != 0):
-                    for jj in cutlass.range_constexpr(4):
-                        ro4[jj] = f32(0.0).to(mO.element_type)
-                    if wr:
-                        for t in cutlass.range(Tn, unroll=1):
+                bx, _, _ = cute.arch.block_idx()
+                gx, _, _ = cute.arch.grid_dim()
+                first = bx
+                step = gx
+                sStage = cutlass.memory.SmemAllocator().allocate_tensor(
+                    f32, cute.make_layout((STAGES * 8 * CH,), stride=(1,)), byte_alignment=16)
+                for s0 in cutlass.range_constexpr(STAGES - 1):
+                    prefetch(first + s0 * step, s0, ntiles, tidx, sStage, mQ, mCu, mIdx, mNa, mH0, HVn)
+            it = Int32(0)
+            for tile in cutlass.range(first, ntiles, step, unroll=1):
+                if cutlass.const_expr(STAGES != 0):
+                    prefetch(tile + (STAGES - 1) * step, (it + STAGES - 1) % STAGES, ntiles, tidx, sStage,
+                             mQ, mCu, mIdx, mNa, mH0, HVn)
+                    cute.arch.cp_async_wait_group(STAGES - 1)
+                vb, hv, n, b, bos, Tn, active, rslot = tile_meta(tile, mQ, mCu, mIdx, mNa, mH0, HVn)
+                hq = hv // (HVn // HQ)
+                # kl: the thread's K position (warp-K mapping: lane % 16; row mapping: first row kb)
+                # vc: its column group, v in [4vc, 4vc+4); wr: whether it writes o (one writer per column)
+                kl, vc, wr = thread_map(vb, lane, warp)
+                # ---- registers: state fragment + one token's raw inputs (prefetch buffers) ----
+                # rS holds the thread's 32 state elements; S(i, j) names element (k=kmap(i), v=4vc+j)
+                # in either layout (trace-time index swap, no data movement).
+                rS = cute.make_rmem_tensor((4, 8) if VF else (8, 4), f32)
+                rS.fill(0.0)
+                rq8 = cute.make_rmem_tensor((8,), mQ.element_type)
+                rk8 = cute.make_rmem_tensor((8,), mK.element_type)
+                rv4 = cute.make_rmem_tensor((4,), mV.element_type)
+                ro4 = cute.make_rmem_tensor((4,), mO.element_type)
+                rdec = cute.make_rmem_tensor((8,), f32)
+                rg8 = cute.make_rmem_tensor((8,), mG.element_type if KDA else f32)
+                rg8.fill(0.0)
+                rbt = cute.make_rmem_tensor((1,), f32)
+                rbt[0] = f32(0.0)
+
+                if active != 0:
+                    # Issue order = latency order: token 0's inputs and the per-head constants first,
+                    # then the 16 KiB state stream; nothing below waits until the decay multiply.
+                    if Tn > 0:
+                        _load_tok(KDA, KVROW, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt, b, bos, hq, hv, kl, vc)
+                    gam = f32(0.0)
+                    if cutlass.const_expr(not KDA):
+                        gam = fexp(f32(mG[hq]))
+                    aexp = f32(1.0)
+                    if cutlass.const_expr(KDA and cfg.gate_in_kernel and cfg.has_A):
+                        aexp = fexp(f32(mA[hv]))
+                    rbias = cute.make_rmem_tensor((8,), f32)
+                    rbias.fill(0.0)
+                    if cutlass.const_expr(KDA and cfg.gate_in_kernel and cfg.has_bias):
+                        rb8 = cute.make_rmem_tensor((8,), mBias.element_type)
+                        cute.autovec_copy(_kvec(cute.local_tile(mBias, (K,), (hv,)), kl, KVROW), rb8)
+                        rbias.store(rb8.load().to(f32))
+                    if cutlass.const_expr(cfg.has_h0 and STAGES != 0):
+                        cute.autovec_copy(_stage_view(VF, sStage, it % STAGES, tidx, CH, False), rS)
+                    elif cutlass.const_expr(cfg.has_h0):
+                        cute.autovec_copy(_state_view(VF, KVROW, mH0[rslot, hv, None, None], vc, kl), rS)
+
+                    for t in cutlass.range(Tn, unroll=1):
+                        if cutlass.const_expr(not cfg.prefetch_next) and t > 0:
+                            _load_tok(KDA, KVROW, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt,
+                                      b, bos + t, hq, hv, kl, vc)
+                        qf = rq8.load().to(f32)
+                        kf = rk8.load().to(f32)
+                        vf = rv4.load().to(f32)
+                        gf = rg8.load().to(f32)
+                        bt = rbt[0]
+                        if cutlass.const_expr(cfg.prefetch_next) and t + 1 < Tn:
+                            # prefetch the next token: its latency leaves the serial chain
+                            _load_tok(KDA, KVROW, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt,
+                                      b, bos + t + 1, hq, hv, kl, vc)
+                        # ---- decay ----
+                        if cutlass.const_expr(KDA):
+                            for i in cutlass.range_constexpr(8):
+                                gi = gf[i]
+                                if cutlass.const_expr(cfg.gate_in_kernel):
+                                    gi = gi + rbias[i]
+                                    if cutlass.const_expr(cfg.has_lower_bound):
+                                        gi = lower_bound * sigmoid(aexp * gi)
+                                    else:
+                                        sp = gi
+                                        if gi <= f32(20.0):  # FLA's softplus threshold
+                                            sp = cute.math.log2(f32(1.0) + fexp(gi), fastmath=True) * LN2
+                                        gi = -aexp * sp
+                                rdec[i] = fexp(gi)
+                            for i in cutlass.range_constexpr(8):
+                                for jj in cutlass.range_constexpr(4):
+                                    _sset(rS, VF, i, jj, _sget(rS, VF, i, jj) * rdec[i])
+                        else:
+                            for i in cutlass.range_constexpr(8):
+                                for jj in cutlass.range_constexpr(4):
+                                    _sset(rS, VF, i, jj, _sget(rS, VF, i, jj) * gam)
+                        # ---- one batched reduction over K (16 lanes hold all of K) ----
+                        NR = 4 + (4 if KDA else 0) + 1 + (2 if cfg.l2norm else 0)
+                        red = cute.make_rmem_tensor((NR,), f32)
+                        for jj in cutlass.range_constexpr(4):
+                            aq = f32(0.0)
+                            for i in cutlass.range_constexpr(8):
+                                aq = aq + _sget(rS, VF, i, jj) * qf[i]
+                            red[jj] = aq
+                            if cutlass.const_expr(KDA):
+                                ak = f32(0.0)
+                                for i in cutlass.range_constexpr(8):
+                                    ak = ak + _sget(rS, VF, i, jj) * kf[i]
+                                red[4 + jj] = ak
+                        base = 8 if KDA else 4
+                        kq = f32(0.0)
+                        for i in cutlass.range_constexpr(8):
+                            kq = kq + kf[i] * qf[i]
+                        red[base] = kq
+                        if cutlass.const_expr(cfg.l2norm):
+                            qq = f32(0.0)
+                            kk = f32(0.0)
+                            for i in cutlass.range_constexpr(8):
+                                qq = qq + qf[i] * qf[i]
+                                kk = kk + kf[i] * kf[i]
+                            red[base + 1] = qq
+                            red[base + 2] = kk
+                        if cutlass.const_expr(KVROW):
+                            # over the 4 row-lanes of a warp, then over the 4 warps through shared memory
+                            # (double-buffered by token parity: one barrier per token is enough)
+                            for sh in cutlass.range_constexpr(2):
+                                for r in cutlass.range_constexpr(NR):
+                                    red[r] = red[r] + cute.arch.shuffle_sync_bfly(red[r], offset=8 << sh)
+                            par = t % 2
+                            if lane < 8:
+                                for r in cutlass.range_constexpr(NR):
+                                    sRed[par, warp, lane, r] = red[r]
+                            cute.arch.barrier()
+                            for r in cutlass.range_constexpr(NR):
+                                acc = f32(0.0)
+                                for w in cutlass.range_constexpr(4):
+                                    acc = acc + sRed[par, w, lane % 8, r]
+                                red[r] = acc
+                        else:
+                            for sh in cutlass.range_constexpr(4):
+                                for r in cutlass.range_constexpr(NR):
+                                    red[r] = red[r] + cute.arch.shuffle_sync_bfly(red[r], offset=1 << sh)
+                        # ---- token update: u = beta (v - S'^T k);  o = S'^T q + (k.q) u;  S += k u^T ----
+                        rqn = scale
+                        rkn = f32(1.0)
+                        if cutlass.const_expr(cfg.l2norm):
+                            rqn = scale * cute.math.rsqrt(red[base + 1] + f32(1e-6), fastmath=False)
+                            rkn = cute.math.rsqrt(red[base + 2] + f32(1e-6), fastmath=False)
+                        kqn = red[base] * rkn
+                        ru = cute.make_rmem_tensor((4,), f32)
+                        if cutlass.const_expr(KDA):
+                            if cutlass.const_expr(cfg.beta_sigmoid):
+                                bt = sigmoid(bt)
+                                if cutlass.const_expr(cfg.neg_eigval):
+                                    bt = bt * f32(2.0)
+                            for jj in cutlass.range_constexpr(4):
+                                ru[jj] = bt * (vf[jj] - rkn * red[4 + jj])
+                        else:
+                            for jj in cutlass.range_constexpr(4):
+                                ru[jj] = vf[jj]
+                        for jj in cutlass.range_constexpr(4):
+                            ro4[jj] = (rqn * (red[jj] + kqn * ru[jj])).to(mO.element_type)
+                        for i in cutlass.range_constexpr(8):
+                            ki = kf[i] * rkn
+                            for jj in cutlass.range_constexpr(4):
+                                _sset(rS, VF, i, jj, _sget(rS, VF, i, jj) + ki * ru[jj])
+                        if wr:
                             cute.autovec_copy(ro4, _vvec(mO[b, bos + t, hv, None], vc))
+                        # ---- per-token state write into the pool (FLA continuous batching) ----
+                        if cutlass.const_expr(POOL != 0):
+                            ws = Int64(-1)
+                            if cutlass.const_expr(POOL == 1):
+                                j = n + t
+                                if j < mIdx.shape[0]:
+                                    ws = Int64(mIdx[j])
+                            else:
+                                if t < mIdx.shape[1]:
+                                    ws = Int64(mIdx[n, t])
+                            if ws >= 0 and ws < Int64(mH0.shape[0]):
+                                cute.autovec_copy(rS, _state_view(VF, KVROW, mH0[ws, hv, None, None], vc, kl))
+
+                    if cutlass.const_expr(POOL == 0 and cfg.has_ht):
+                        cute.autovec_copy(rS, _state_view(VF, KVROW, mHt[n, hv, None, None], vc, kl))
+                else:
+                    # padding / empty sequence: touch no state; zero its output rows
+                    if cutlass.const_expr(POOL != 0):
+                        for jj in cutlass.range_constexpr(4):
+                            ro4[jj] = f32(0.0).to(mO.element_type)
+                        if wr:
+                            for t in cutlass.range(Tn, unroll=1):
+                                cute.autovec_copy(ro4, _vvec(mO[b, bos + t, hv, None], vc))
+                it = it + 1
 
         @cute.jit
         def launch(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
                    mBeta: cute.Tensor, mA: cute.Tensor, mBias: cute.Tensor, mH0: cute.Tensor,
                    mHt: cute.Tensor, mO: cute.Tensor, mCu: cute.Tensor, mIdx: cute.Tensor,
-                   mNa: cute.Tensor, scale: f32, lower_bound: f32, stream):
+                   mNa: cute.Tensor, scale: f32, lower_bound: f32, max_ctas: Int32, stream):
             if cutlass.const_expr(cfg.varlen):
                 nseq = mCu.shape[0] - 1
             else:
                 nseq = mQ.shape[0]
-            kernel(mQ, mK, mV, mG, mBeta, mA, mBias, mH0, mHt, mO, mCu, mIdx, mNa,
-                   scale, lower_bound).launch(
-                grid=[V // BV, mV.shape[2], nseq], block=[NTHR, 1, 1], stream=stream,
-                # no shared memory: prefer the whole carveout as L1; optional CTA-per-SM floor
-                min_blocks_per_mp=cfg.min_ctas, preferred_smem_carveout=0)
+            k = kernel(mQ, mK, mV, mG, mBeta, mA, mBias, mH0, mHt, mO, mCu, mIdx, mNa, scale, lower_bound)
+            if cutlass.const_expr(STAGES == 0):
+                # a CTA per tile; no shared memory (KV rows aside): the whole carveout as L1
+                k.launch(grid=[NVB, mV.shape[2], nseq], block=[NTHR, 1, 1], stream=stream,
+                         min_blocks_per_mp=cfg.min_ctas, preferred_smem_carveout=0)
+            else:
+                # persistent: max_ctas = SMs x ctas_per_sm (host), never more CTAs than tiles
+                ntiles = NVB * mV.shape[2] * nseq
+                k.launch(grid=[cutlass.max(cutlass.min(ntiles, max_ctas), 1), 1, 1], block=[NTHR, 1, 1],
+                         stream=stream, min_blocks_per_mp=cfg.ctas_per_sm, preferred_smem_carveout=100)
 
         return launch
 
@@ -491,7 +588,7 @@ class RecurrentDecode:
         if c.pool and c.spec:
             na = _rm(dt[c.na_dtype], (cute.sym_int32(),))
         return (q, k, v, g, beta, A, dt_bias, h0, ht, o, cu, idx, na,
-                Float32(1.0), Float32(-1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
+                Float32(1.0), Float32(-1.0), Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True))
 
     def expect_ptx(self):
         """What the PTX must hold: 16-byte state loads (when a state is read) and stores, the
@@ -499,7 +596,7 @@ class RecurrentDecode:
         c = self.cfg
         e = [r"st\.global\.v4\.b32", r"shfl\.sync\.bfly", r"ex2\.approx"]
         if c.has_h0:
-            e.append(r"ld\.global\.v4\.b32")
+            e.append(r"cp\.async\.cg\.shared\.global.*16" if c.stages else r"ld\.global\.v4\.b32")
         if c.l2norm:
             e.append(r"rsqrt")
         return tuple(e)
@@ -531,14 +628,15 @@ def set_tuning(**knobs) -> None:
 
 
 def get_kernel(cfg: DecodeConfig):
-    """Compiled TVM-FFI callable for a config (process cache in front of fla_cula.jit)."""
+    """(compiled TVM-FFI callable, CTAs per SM of a persistent launch or 0) for a config; process
+    cache in front of fla_cula.jit. The host passes SMs x that count as the `max_ctas` argument."""
     if TUNING:
         cfg = dataclasses.replace(cfg, **TUNING)
-    fn = _fn_cache.get(cfg)
-    if fn is None:
-        fn = get_compiled(RecurrentDecode(cfg).spec())
-        _fn_cache[cfg] = fn
-    return fn
+    ent = _fn_cache.get(cfg)
+    if ent is None:
+        ent = (get_compiled(RecurrentDecode(cfg).spec()), cfg.ctas_per_sm if cfg.stages else 0)
+        _fn_cache[cfg] = ent
+    return ent
 
 
 def representative_configs() -> list:
@@ -562,6 +660,11 @@ def representative_configs() -> list:
     out.append(C(mode="kda", l2norm=True, gate_in_kernel=True, has_A=True, has_bias=True, has_lower_bound=True,
                  beta_sigmoid=True, pool=2, spec=True, has_ht=False, varlen=True, kv_rows=True))
     out.append(C(mode="lightning", g_dtype="float32", beta_dtype="float32", kv_rows=True))
+    # the persistent cp.async pipeline candidate (stages): KDA serving flags in both layouts, lightning
+    for vf in (False, True):
+        out.append(C(mode="kda", state_v_first=vf, l2norm=True, gate_in_kernel=True, has_A=True, has_bias=True,
+                     beta_sigmoid=True, pool=2, spec=True, has_ht=False, varlen=True, stages=3))
+    out.append(C(mode="lightning", g_dtype="float32", beta_dtype="float32", stages=3))
     return out
 
 

@@ -263,22 +263,31 @@ def test_lightning_no_initial_state():
 
 # ---------------------------------------------------------------------------------------------
 # Tuning candidates (DecodeConfig knobs the H200 sweep, benchmarks/variants.py, chooses between):
-# the row-coalesced [K,V] mapping and narrower / wider CTAs. The same checks as above, knob on, so
-# whichever the sweep picks as a default is already tested.
-TUNINGS = {"kv_rows": {"kv_rows": True}, "bv16": {"bv": 16}, "bv64": {"bv": 64}}
+# the row-coalesced [K,V] mapping, narrower / wider CTAs, and persistent CTAs with a cp.async state
+# pipeline (stages). The same checks as above, knob on, so whichever the sweep picks as a default is
+# already tested. Persistent variants run with the grid capped at 2 SMs' worth of CTAs, so that
+# every test walks many tiles per CTA through the pipeline (wrap-around of the stages, inactive and
+# padding tiles between active ones); test_stream_full_grid runs the real grid.
+TUNINGS = {"kv_rows": {"kv_rows": True}, "bv16": {"bv": 16}, "bv64": {"bv": 64},
+           "stages2": {"stages": 2}, "stages3": {"stages": 3}}
 
 
 @pytest.fixture(params=list(TUNINGS))
 def tuned(request):
-    from fla_cula.kernels import recurrent_decode
+    from fla_cula.kernels import _host, recurrent_decode
     knobs = TUNINGS[request.param]
     recurrent_decode.set_tuning(**knobs)
+    sms = dict(_host._SMS)
+    if knobs.get("stages"):
+        _host._SMS[torch.cuda.current_device()] = 2
     try:
         yield knobs
         ran = [c for c in recurrent_decode._fn_cache if all(getattr(c, k) == x for k, x in knobs.items())]
         assert ran, f"no kernel with {knobs} ran"
     finally:
         recurrent_decode.set_tuning()
+        _host._SMS.clear()
+        _host._SMS.update(sms)
 
 
 @pytest.mark.parametrize("T", [1, 4])
@@ -300,6 +309,49 @@ def test_tuned_pool(tuned, spec):
 @pytest.mark.parametrize("varlen", [False, True])
 def test_tuned_lightning(tuned, T, varlen):
     test_lightning(T, False, varlen)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("vf", [False, True], ids=["kv", "vk"])
+def test_stream_full_grid(stages, vf):
+    """Persistent launch at its real grid (SMs x ctas_per_sm) on a serving-size step: 48 sequences x
+    32 heads x 4 column blocks = 6144 tiles, 2-D pool indices with speculative reads, padding
+    sequences and skipped writes; untouched pool slots stay bit-identical."""
+    from fla_cula.kernels import recurrent_decode
+    from fla_cula.ops.kda import fused_recurrent_kda_fwd
+    from fla_cula.reference import kda_decode_pool
+    N, T, P, HV = 48, 2, 120, 32
+    q, k, v, g, beta, A_log, dt_bias = _inputs(N, T, 16, HV, gate="raw", seed=21)
+    pool = torch.randn(P, HV, 128, 128, device=DEV)
+    idx = torch.randperm(P, device=DEV)[:N * T].reshape(N, T).to(torch.int32)
+    idx[5::7, :] = -1                      # padding sequences
+    idx[3::5, T - 1] = -1                  # skipped writes
+    na = torch.randint(1, T + 1, (N,), device=DEV, dtype=torch.int32)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+              use_beta_sigmoid_in_kernel=True, state_v_first=vf)
+    before = pool.clone()
+    recurrent_decode.set_tuning(stages=stages)
+    try:
+        out = _nan_like(v)
+        o, _ = fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, inplace_final_state=True,
+                                       ssm_state_indices=idx, num_accepted_tokens=na, out=out, **kw)
+        assert any(c.stages == stages for c in recurrent_decode._fn_cache)
+    finally:
+        recurrent_decode.set_tuning()
+    ro, rpool = kda_decode_pool(q, k, v, g, beta, initial_state=before, inplace_final_state=True,
+                                ssm_state_indices=idx, num_accepted_tokens=na, **kw)
+    read = idx[torch.arange(N, device=DEV), (na - 1).long()]
+    live = (read >= 0).nonzero().flatten().tolist()
+    dead = (read < 0).nonzero().flatten().tolist()
+    assert live and dead
+    assert _rr(ro[live], o[live]) <= TOL
+    assert torch.all(o[dead] == 0)
+    written = set(int(s) for s in idx[live].flatten().tolist() if s >= 0)
+    for s in range(P):
+        if s in written:
+            assert _rr(rpool[s], pool[s]) <= TOL, s
+        else:
+            assert torch.equal(pool[s], before[s]), f"slot {s} not addressed but changed"
 
 
 @pytest.mark.parametrize("vf", [False, True], ids=["kv", "vk"])
