@@ -18,7 +18,8 @@ CFGS = representative_configs()
 
 def _id(c):
     layout = "vk" if c.state_v_first else "kv"
-    return f"{c.mode}-{layout}-pool{c.pool}-varlen{int(c.varlen)}-gate{int(c.gate_in_kernel)}"
+    tune = ("-kvrows" if c.kv_rows else "") + (f"-stages{c.stages}" if c.stages else "")
+    return f"{c.mode}-{layout}-pool{c.pool}-varlen{int(c.varlen)}-gate{int(c.gate_in_kernel)}{tune}"
 
 
 @pytest.mark.parametrize("cfg", CFGS, ids=[_id(c) for c in CFGS])
