@@ -268,7 +268,7 @@ def test_lightning_no_initial_state():
 # already tested. Persistent variants run with the grid capped at 2 SMs' worth of CTAs, so that
 # every test walks many tiles per CTA through the pipeline (wrap-around of the stages, inactive and
 # padding tiles between active ones); test_stream_full_grid runs the real grid.
-TUNINGS = {"kv_rows": {"kv_rows": True}, "bv16": {"bv": 16}, "bv64": {"bv": 64},
+TUNINGS = {"kv_rows": {"kv_rows": True, "stages": 0}, "bv16": {"bv": 16}, "bv64": {"bv": 64},
            "stages2": {"stages": 2}, "stages3": {"stages": 3}}
 
 
