@@ -64,15 +64,24 @@ def main(steps: int = 8) -> int:
         grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
         return out.logits.detach().float(), grads, gen, t1 - t0, time.perf_counter() - t1
 
+    def phase(what):
+        print(f"[{time.perf_counter() - t_start:7.1f} s] {what}", flush=True)
+
+    t_start = time.perf_counter()
     fla_cula.unpatch()
-    step()  # warm-up: Triton autotune
+    phase("unpatched warm-up (FLA's Triton kernels compile and autotune on a fresh machine)")
+    step()
+    phase("unpatched, twice (FLA against itself: its run-to-run spread)")
     lo_a, g_a, gen_a, tf_a, tg_a = step()
-    lo_a2, g_a2, gen_a2, _, _ = step()  # FLA against itself: its run-to-run spread (backward atomics)
+    lo_a2, g_a2, gen_a2, _, _ = step()  # backward atomics
     fla_cula.reset_status()
     with fla_cula.patched():
+        phase("patched warm-up (fla_cula kernels compile or load from the cache)")
         step()
         fla_cula.reset_status()
+        phase("patched")
         lo_b, g_b, gen_b, tf_b, tg_b = step()
+    phase("done")
     st = fla_cula.status()
     print("routes (patched run):")
     for op, s in st.items():

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         done += 1
         by_index[i] = rec
-        mark = "ok  " if rec["status"] == "pass" else "FAIL"
+        mark = {"pass": "ok  ", "FLA-defect": "FLA-"}.get(rec["status"], "FAIL")
         print(f"{mark} {done:4d}/{len(cases)} {rec['seconds']:6.2f}s {rec['id']}  [{rec['route']}]"
               + ("" if rec["status"] == "pass" else "  " + "; ".join(rec.get("notes", []))), flush=True)
         if rec.get("fatal"):
@@ -103,8 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"parity: {header['INCOMPLETE']}", flush=True)
     md, js = report.write(records, header, args.out, args.tag)
     s = report.summarize(records)
-    print(f"parity: {s['cases']} cases, {s['passed']} passed, {s['failed']} failed, "
-          f"{s['kernel_routed']} kernel-routed; fallbacks {s['fallbacks_by_reason']}", flush=True)
+    print(f"parity: {s['cases']} cases, {s['passed']} passed, {s['failed']} failed, {s['fla_defects']} FLA defects "
+          f"reproduced on fallback routes, {s['kernel_routed']} kernel-routed; fallbacks {s['fallbacks_by_reason']}",
+          flush=True)
     print(f"parity: wrote {md} and {js}", flush=True)
     if s["failed"] or fatal:
         return 1

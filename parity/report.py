@@ -28,7 +28,7 @@ def summarize(records: list[dict]) -> dict:
         route = r.get("route", "")
         op = per_op[r["op"]]
         op["cases"] += 1
-        op["pass" if r["status"] == "pass" else "fail"] += 1
+        op[{"pass": "pass", "FLA-defect": "fla_defect"}.get(r["status"], "fail")] += 1
         if route == "kernel":
             kernel += 1
             op["kernel"] += 1
@@ -37,17 +37,20 @@ def summarize(records: list[dict]) -> dict:
             op["fallback"] += 1
         if str(r.get("fla", "ok")) != "ok":
             op["fla_na"] += 1
-    failures = [r for r in records if r["status"] != "pass"]
+    failures = [r for r in records if r["status"] not in ("pass", "FLA-defect")]
+    defects = [r for r in records if r["status"] == "FLA-defect"]
     return {
         "cases": len(records),
-        "passed": len(records) - len(failures),
+        "passed": len(records) - len(failures) - len(defects),
         "failed": len(failures),
+        "fla_defects": len(defects),
         "kernel_routed": kernel,
         "fallbacks_by_reason": dict(by_reason.most_common()),
         "fla_could_not_run": sum(1 for r in records if str(r.get("fla", "ok")) != "ok"),
         "fla_over_tol": sum(1 for r in records if any("FLA over tol" in n for n in r.get("notes", []))),
         "per_op": {k: dict(v) for k, v in per_op.items()},
         "failures": [r["id"] for r in failures],
+        "fla_defect_cases": [r["id"] for r in defects],
     }
 
 
@@ -73,7 +76,8 @@ def markdown(records: list[dict], header: dict, summary: dict, title: str) -> st
     L.append("")
     L.append("## Summary")
     L.append("")
-    L.append(f"- cases: **{summary['cases']}**, passed **{summary['passed']}**, failed **{summary['failed']}**")
+    L.append(f"- cases: **{summary['cases']}**, passed **{summary['passed']}**, failed **{summary['failed']}**, "
+             f"FLA defects reproduced on a fallback route **{summary.get('fla_defects', 0)}**")
     L.append(f"- kernel-routed: **{summary['kernel_routed']}**; fallbacks to FLA: "
              f"{summary['cases'] - summary['kernel_routed']}")
     for reason, n in summary["fallbacks_by_reason"].items():
@@ -87,12 +91,18 @@ def markdown(records: list[dict], header: dict, summary: dict, title: str) -> st
             L.append(f"  - `{fid}`: {'; '.join(n for n in rec.get('notes', []) if n)}")
     else:
         L.append("- failures: none")
+    if summary.get("fla_defect_cases"):
+        L.append("- **FLA defects** (FLA's own result is wrong; fla_cula falls back to FLA and returns exactly "
+                 "FLA's result; not counted as failures, listed so nobody mistakes them for correct):")
+        for fid in summary["fla_defect_cases"]:
+            rec = next(r for r in records if r["id"] == fid)
+            L.append(f"  - `{fid}`: {'; '.join(n for n in rec.get('notes', []) if n)}")
     L.append("")
-    L.append("| op | cases | pass | fail | kernel | fallback | FLA n/a |")
-    L.append("|---|---|---|---|---|---|---|")
+    L.append("| op | cases | pass | fail | FLA defect | kernel | fallback | FLA n/a |")
+    L.append("|---|---|---|---|---|---|---|---|")
     for op, c in summary["per_op"].items():
-        L.append(f"| {op} | {c.get('cases', 0)} | {c.get('pass', 0)} | {c.get('fail', 0)} | {c.get('kernel', 0)} | "
-                 f"{c.get('fallback', 0)} | {c.get('fla_na', 0)} |")
+        L.append(f"| {op} | {c.get('cases', 0)} | {c.get('pass', 0)} | {c.get('fail', 0)} | {c.get('fla_defect', 0)} | "
+                 f"{c.get('kernel', 0)} | {c.get('fallback', 0)} | {c.get('fla_na', 0)} |")
     L.append("")
     L.append("## Machine")
     L.append("")

@@ -203,8 +203,10 @@ def _clone_inputs(x: dict) -> dict:
     return {n: (v.clone() if isinstance(v, torch.Tensor) else v) for n, v in x.items()}
 
 
-def run_impl(case: Case, fn: Callable, x: dict, grad_out: dict) -> dict:
-    """One implementation on a private copy of the inputs. Returns {"o", "state", grads...} or raises."""
+def run_impl(case: Case, fn: Callable, x: dict, grad_out: dict, poison: bool = True) -> dict:
+    """One implementation on a private copy of the inputs. Returns {"o", "state", grads...} or raises.
+    poison: fresh float allocations inside the call are NaN-filled (see nan_empty)."""
+    poisoned = nan_empty if poison else contextlib.nullcontext
     x = _clone_inputs(x)
     out = torch.full_like(x["v"], float("nan")) if case.out_given else None
     names = grad_leaf_names(case, x) if case.op in HAS_AUTOGRAD or case.grad else []
@@ -212,7 +214,7 @@ def run_impl(case: Case, fn: Callable, x: dict, grad_out: dict) -> dict:
     if case.grad:
         for n in names:
             x[n] = x[n].detach().requires_grad_(True)
-        with torch.enable_grad(), nan_empty():
+        with torch.enable_grad(), poisoned():
             o, st = call_op(case, fn, x, out)
             if case.op in HAS_AUTOGRAD:
                 outs, gos = [o], [grad_out["do"]]
@@ -223,7 +225,7 @@ def run_impl(case: Case, fn: Callable, x: dict, grad_out: dict) -> dict:
                 for n, gr in zip(names, grads, strict=True):
                     res[GRAD_NAMES[n]] = gr
     else:
-        with torch.inference_mode(), nan_empty():
+        with torch.inference_mode(), poisoned():
             o, st = call_op(case, fn, x, out)
     res["o"] = o.detach()
     res["state"] = st.detach() if st is not None else None
@@ -296,6 +298,7 @@ def compare(case: Case, x: dict, ref: dict, cula: dict, fla: dict | None) -> dic
         tensors.append((GRAD_NAMES[n], x[n].dtype))
     errs: dict[str, dict] = {}
     ok, notes = True, []
+    bad: list[tuple[str, bool]] = []  # (tensor judged bad, its NaN pattern equals FLA's)
     for name, tdt in tensors:
         key = "state" if name in ("ht", "pool") else name
         r, c = ref.get(key), cula.get(key)
@@ -309,6 +312,7 @@ def compare(case: Case, x: dict, ref: dict, cula: dict, fla: dict | None) -> dic
             errs[name] = {"cula": float("nan")}
             ok = False
             notes.append(f"{name}: missing from fla_cula's result")
+            bad.append((name, False))
             continue
         if name == "o" and mask is not None:
             keep = ~mask.to(r.device)
@@ -316,6 +320,7 @@ def compare(case: Case, x: dict, ref: dict, cula: dict, fla: dict | None) -> dic
             f = f[keep] if f is not None else None
         if r.shape != c.shape:
             notes.append(f"{name}: shape {tuple(c.shape)} != reference {tuple(r.shape)}")
+            bad.append((name, False))
             ok = False
             continue
         has_nan = bool(torch.isnan(c).any())
@@ -326,6 +331,10 @@ def compare(case: Case, x: dict, ref: dict, cula: dict, fla: dict | None) -> dic
         good, note = rules.judge(name, e_c, e_f, a_c, tdt)
         errs[name] = {"cula": e_c, "fla": e_f, "abs_cula": a_c, "maxdiff": d}
         ok &= good
+        if not good:
+            # NaN where FLA (same inputs, same poisoned allocations) has NaN in exactly the same places
+            same_nan = has_nan and f is not None and f.shape == c.shape and torch.equal(torch.isnan(c), torch.isnan(f))
+            bad.append((name, same_nan))
         if note:
             notes.append(note)
     untouched = None
@@ -338,12 +347,15 @@ def compare(case: Case, x: dict, ref: dict, cula: dict, fla: dict | None) -> dic
             if not untouched:
                 ok = False
                 notes.append("pool slots not addressed were modified")
+                bad.append(("pool slots", False))
     if case.out_given and not cula.get("out_is_o", False):
         notes.append("out= given but the returned o is another tensor")
+        bad.append(("out", False))
         ok = False
     maxdiff = [v["maxdiff"] for v in errs.values() if v.get("maxdiff") is not None]
     return {"errors": errs, "ok": ok, "notes": notes, "untouched_slots_ok": untouched,
-            "max_abs_cula_minus_fla": max(maxdiff) if maxdiff else None}
+            "max_abs_cula_minus_fla": max(maxdiff) if maxdiff else None,
+            "only_fla_nan": (not ok) and bool(bad) and all(same for _, same in bad)}
 
 
 def _route_now() -> tuple[str, str] | None:
@@ -405,20 +417,40 @@ def run_case(case: Case, cula_fns: dict, fla_fns: dict, device, run_seed: int) -
             rec.update(status="FAIL", notes=[f"fla_cula raised {msg}"])
         rec["fatal"] = _is_fatal(cula_exc)
     else:
+        only_fla_nan = False
         try:
             ref = run_reference(case, x, grad_out)
             cmp = compare(case, x, ref, cula, fla)
             rec.update(errors=cmp["errors"], max_abs_cula_minus_fla=cmp["max_abs_cula_minus_fla"],
                        untouched_slots_ok=cmp["untouched_slots_ok"], notes=cmp["notes"],
                        status="pass" if cmp["ok"] else "FAIL")
+            only_fla_nan = cmp["only_fla_nan"]
         except Exception as e:  # noqa: BLE001
             rec.update(errors={}, max_abs_cula_minus_fla=None, status="FAIL",
                        notes=[f"reference/compare raised {type(e).__name__}: {str(e)[:200]}"])
             rec["fatal"] = _is_fatal(e)
         if fla_exc is not None:
             rec["notes"].append("FLA cannot handle these inputs")
+        if rec["status"] == "FAIL" and rec["route"].startswith("fallback") and only_fla_nan:
+            rec["status"] = "FLA-defect"
+            rec["notes"].append(_fla_nan_cause(case, fla_fns[case.op], x, grad_out))
     rec["seconds"] = round(time.perf_counter() - t0, 3)
     return rec
+
+
+def _fla_nan_cause(case: Case, fla_fn: Callable, x: dict, grad_out: dict) -> str:
+    """Run FLA once more without poisoned allocations, to say which kind of defect it is."""
+    try:
+        clean = run_impl(case, fla_fn, x, grad_out, poison=False)
+    except Exception as e:  # noqa: BLE001
+        return f"FLA defect (fallback route reproduces it bit for bit); FLA re-run raised {type(e).__name__}"
+    nan = [k for k, v in clean.items() if isinstance(v, torch.Tensor) and v.is_floating_point()
+           and bool(torch.isnan(v).any())]
+    if nan:
+        return (f"FLA 0.6.0 returns NaN in {', '.join(nan)} on these inputs, also without poisoned memory "
+                "(fallback route reproduces it bit for bit)")
+    return ("FLA 0.6.0 reads memory it never wrote: NaN only when fresh allocations are NaN-poisoned "
+            "(fallback route reproduces it bit for bit)")
 
 
 def _is_fatal(e: Exception) -> bool:

@@ -205,6 +205,39 @@ def test_runner_catches_a_wrong_implementation():
     assert rec["status"] == "FAIL" and any("NaN" in n for n in rec["notes"])
 
 
+def test_runner_fla_defect_only_on_a_faithful_fallback():
+    """FLA's own NaN, reproduced bit for bit on a fallback route, is reported as an FLA defect (not a
+    fla_cula failure); the same NaN on a kernel route, or a NaN FLA does not have, stays a failure."""
+    from fla_cula import routing
+    from parity.runner import run_case
+
+    def fla_nan(*a, **k):  # an "FLA" whose final state has a NaN row, with or without poisoning
+        o, s = _fake_lightning(*a, **k)
+        s = s.clone()
+        s[0, 0, 0] = float("nan")
+        return o, s
+
+    def fallback(*a, **k):
+        routing.record_fallback("chunk_lightning_attn", "no kernel for this op yet")
+        return fla_nan(*a, **k)
+
+    def kernel_nan(*a, **k):
+        routing.record_kernel("chunk_lightning_attn")
+        return fla_nan(*a, **k)
+
+    case = Case(op="chunk_lightning_attn", B=1, T=4, H=2, HV=2, K=8, V=8, dtype="fp32")
+    fla = {case.op: fla_nan}
+    rec = run_case(case, {case.op: fallback}, fla, torch.device("cpu"), run_seed=1)
+    assert rec["status"] == "FLA-defect", rec
+    assert any("also without poisoned memory" in n for n in rec["notes"])
+    rec = run_case(case, {case.op: kernel_nan}, fla, torch.device("cpu"), run_seed=1)
+    assert rec["status"] == "FAIL"
+    rec = run_case(case, {case.op: fallback}, FAKES, torch.device("cpu"), run_seed=1)  # FLA has no NaN there
+    assert rec["status"] == "FAIL"
+    s = preport.summarize([dict(rec, status="FLA-defect"), rec])
+    assert s["failed"] == 1 and s["fla_defects"] == 1 and s["passed"] == 0
+
+
 def test_parity_report_formatting(tmp_path):
     recs = [
         {"id": "a", "op": "chunk_kda", "route": "fallback: no kernel for this op yet", "fla": "ok", "status": "pass",
