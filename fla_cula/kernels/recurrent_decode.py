@@ -124,6 +124,55 @@ def _stage_view(VF, sStage, stage, tidx, CH, atom):
     return _al(cute.make_tensor(base, lay), 16)
 
 
+# ---- kv_smem: the [K,V] state tile (128 rows x 32 floats) moves between global memory and a
+# shared-memory tile with row-coalesced 16-byte accesses (a warp instruction = 4 whole 128-byte
+# rows), and between the tile and the thread's fragment in the compute mapping. 16-byte chunk c of
+# row r lives at chunk c ^ ((r >> 2) & 7): both the coalesced pass (8 lanes = one row's 8 chunks) and
+# the fragment reads (8 lanes = rows 4kl.., one column group) hit 8 distinct bank groups.
+def _kvs_row_chunk(t2d, vb, tidx, i, atom_shape):
+    """Global 16-byte chunk of the thread's i-th coalesced row: row tidx//8 + 16 i, columns
+    32 vb + 4 (tidx%8) ..+4. A warp instruction covers 4 whole 128-byte rows."""
+    vv = t2d.shape[1]
+    off = (tidx // 8 + 16 * i) * vv + 32 * vb + 4 * (tidx % 8)
+    lay = cute.make_layout(((4,), 1), stride=((1,), 0)) if atom_shape else cute.make_layout((4,), stride=(1,))
+    return _al(cute.make_tensor(t2d.iterator + off, lay), 16)
+
+
+def _kvs_chunk(sKV, tidx, i, atom_shape):
+    """Shared-memory chunk of the thread's i-th coalesced row (row r0 + 16 i, r0 = tidx//8)."""
+    r0 = tidx // 8
+    phys = (tidx % 8) ^ (r0 // 4) ^ (4 * (i % 2))  # (r >> 2) & 7 with r = r0 + 16 i, r0 < 16
+    lay = cute.make_layout(((4,), 1), stride=((1,), 0)) if atom_shape else cute.make_layout((4,), stride=(1,))
+    return _al(cute.make_tensor(sKV.iterator + (r0 + 16 * i) * 32 + 4 * phys, lay), 16)
+
+
+def _kvs_frag(sKV, kl, vcl):
+    """The fragment (as _state_view for [K,V]: rows 4 kl + r + 64 h, columns 4 vcl..) in the tile."""
+    p = vcl ^ (kl % 8)  # (k >> 2) & 7 = kl & 7 for every row k of the fragment
+    lay = cute.make_layout(((4, 2), 4), stride=((32, 64 * 32), 1))
+    return _al(cute.make_tensor(sKV.iterator + 4 * kl * 32 + 4 * p, lay), 16)
+
+
+def _kvs_load(sKV, t2d, vb, tidx, atom):
+    """Global state tile -> shared tile: 8 coalesced 16-byte cp.async per thread (no registers
+    held), one group. The caller waits (cp.async.wait_group 0) and syncs before reading."""
+    for i in range(8):  # plain helper: unrolled at trace time
+        cute.copy(atom, _kvs_row_chunk(t2d, vb, tidx, i, True), _kvs_chunk(sKV, tidx, i, True))
+    cute.arch.cp_async_commit_group()
+
+
+def _kvs_store(rS, sKV, t2d, vb, tidx, kl, vcl, f32):
+    """Fragment -> shared tile -> global state tile (coalesced). Each thread first overwrites only
+    the chunks it read itself; the barriers order the cross-thread reads and the next write."""
+    cute.autovec_copy(rS, _kvs_frag(sKV, kl, vcl))
+    cute.arch.barrier()
+    for i in range(8):  # plain helper: unrolled at trace time
+        r4 = cute.make_rmem_tensor((4,), f32)
+        cute.autovec_copy(_kvs_chunk(sKV, tidx, i, False), r4)
+        cute.autovec_copy(r4, _kvs_row_chunk(t2d, vb, tidx, i, False))
+    cute.arch.barrier()
+
+
 def _sget(rS, VF, i, j):
     """State element (k = kmap(i), v = 4vc + j) of the thread fragment, in either layout."""
     return rS[j, i] if VF else rS[i, j]
@@ -189,6 +238,10 @@ class DecodeConfig:
     # 0: one CTA per tile, the state loaded straight into registers.
     stages: int = 0
     ctas_per_sm: int = 4           # stages >= 2: resident CTAs per SM asked of ptxas and launched
+    # [K,V] layout only: the state tile moves through a swizzled 16 KiB shared-memory tile with
+    # row-coalesced global loads and stores (what kv_rows gets), while the compute keeps the v2
+    # mapping (shuffle reductions only: no per-token exchange, so T > 1 pays nothing extra).
+    kv_smem: bool = False
 
     def key(self):
         return tuple((f.name, getattr(self, f.name)) for f in fields(self))
@@ -214,6 +267,8 @@ class RecurrentDecode:
             raise ValueError(f"kv_rows maps 4 warps x 32 value columns: bv must be 32, got {cfg.bv}")
         if cfg.stages == 1 or cfg.stages < 0 or (cfg.stages and cfg.kv_rows and not cfg.state_v_first):
             raise ValueError(f"stages must be 0 or >= 2 and not combined with kv_rows, got {cfg.stages}")
+        if cfg.kv_smem and not cfg.state_v_first and (cfg.kv_rows or cfg.stages or cfg.bv != 32):
+            raise ValueError("kv_smem needs bv=32 and neither kv_rows nor stages")
         self.cfg = cfg
 
     # ------------------------------------------------------------------------------------------
@@ -227,6 +282,7 @@ class RecurrentDecode:
         VF = cfg.state_v_first
         POOL = cfg.pool
         KVROW = cfg.kv_rows and not VF
+        KVSMEM = cfg.kv_smem and not VF
         STAGES = cfg.stages
         NVB = V // BV
         CH = NTHR * 4  # shared-memory stage: 8 chunks x NTHR threads x 4 floats (conflict-free)
@@ -315,6 +371,11 @@ class RecurrentDecode:
                 sRed = cutlass.memory.SmemAllocator().allocate_tensor(
                     f32, cute.make_layout((2, 4, 8, 12), stride=(384, 96, 12, 1)),  # [parity, warp, vl, r]
                     byte_alignment=16)
+            if cutlass.const_expr(KVSMEM):
+                sKV = cutlass.memory.SmemAllocator().allocate_tensor(
+                    f32, cute.make_layout((K * BV,), stride=(1,)), byte_alignment=16)
+                kvs_atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), f32,
+                                               num_bits_per_copy=128)
             HQ = mQ.shape[2]
             HVn = mV.shape[2]
             nseq = mQ.shape[0]
@@ -382,6 +443,11 @@ class RecurrentDecode:
                         rbias.store(rb8.load().to(f32))
                     if cutlass.const_expr(cfg.has_h0 and STAGES != 0):
                         cute.autovec_copy(_stage_view(VF, sStage, it % STAGES, tidx, CH, False), rS)
+                    elif cutlass.const_expr(cfg.has_h0 and KVSMEM):
+                        _kvs_load(sKV, mH0[rslot, hv, None, None], vb, tidx, kvs_atom)
+                        cute.arch.cp_async_wait_group(0)
+                        cute.arch.barrier()
+                        cute.autovec_copy(_kvs_frag(sKV, kl, vc - vb * (BV // 4)), rS)
                     elif cutlass.const_expr(cfg.has_h0):
                         cute.autovec_copy(_state_view(VF, KVROW, mH0[rslot, hv, None, None], vc, kl), rS)
 
@@ -502,10 +568,16 @@ class RecurrentDecode:
                                 if t < mIdx.shape[1]:
                                     ws = Int64(mIdx[n, t])
                             if ws >= 0 and ws < Int64(mH0.shape[0]):
-                                cute.autovec_copy(rS, _state_view(VF, KVROW, mH0[ws, hv, None, None], vc, kl))
+                                if cutlass.const_expr(KVSMEM):
+                                    _kvs_store(rS, sKV, mH0[ws, hv, None, None], vb, tidx, kl, vc - vb * (BV // 4), f32)
+                                else:
+                                    cute.autovec_copy(rS, _state_view(VF, KVROW, mH0[ws, hv, None, None], vc, kl))
 
                     if cutlass.const_expr(POOL == 0 and cfg.has_ht):
-                        cute.autovec_copy(rS, _state_view(VF, KVROW, mHt[n, hv, None, None], vc, kl))
+                        if cutlass.const_expr(KVSMEM):
+                            _kvs_store(rS, sKV, mHt[n, hv, None, None], vb, tidx, kl, vc - vb * (BV // 4), f32)
+                        else:
+                            cute.autovec_copy(rS, _state_view(VF, KVROW, mHt[n, hv, None, None], vc, kl))
                 else:
                     # padding / empty sequence: touch no state; zero its output rows
                     if cutlass.const_expr(POOL != 0):
@@ -527,9 +599,12 @@ class RecurrentDecode:
                 nseq = mQ.shape[0]
             k = kernel(mQ, mK, mV, mG, mBeta, mA, mBias, mH0, mHt, mO, mCu, mIdx, mNa, scale, lower_bound)
             if cutlass.const_expr(STAGES == 0):
-                # a CTA per tile; no shared memory (KV rows aside): the whole carveout as L1
+                # a CTA per tile; no shared memory (kv_rows, kv_smem aside): the whole carveout as L1
+                # kv_smem: 4 CTAs/SM asked of ptxas (<= 128 registers; the pool path needs 168 uncapped,
+                # 0 spills capped: sm_90a, 2026-12-02)
                 k.launch(grid=[NVB, mV.shape[2], nseq], block=[NTHR, 1, 1], stream=stream,
-                         min_blocks_per_mp=cfg.min_ctas, preferred_smem_carveout=0)
+                         min_blocks_per_mp=(cfg.min_ctas or 4) if KVSMEM else cfg.min_ctas,
+                         preferred_smem_carveout=40 if KVSMEM else 0)
             else:
                 # persistent: max_ctas = SMs x ctas_per_sm (host), never more CTAs than tiles
                 ntiles = NVB * mV.shape[2] * nseq
@@ -596,7 +671,8 @@ class RecurrentDecode:
         c = self.cfg
         e = [r"st\.global\.v4\.b32", r"shfl\.sync\.bfly", r"ex2\.approx"]
         if c.has_h0:
-            e.append(r"cp\.async\.cg\.shared\.global.*16" if c.stages else r"ld\.global\.v4\.b32")
+            async_state = c.stages or (c.kv_smem and not c.state_v_first)
+            e.append(r"cp\.async\.cg\.shared\.global.*16" if async_state else r"ld\.global\.v4\.b32")
         if c.l2norm:
             e.append(r"rsqrt")
         return tuple(e)
@@ -665,6 +741,10 @@ def representative_configs() -> list:
         out.append(C(mode="kda", state_v_first=vf, l2norm=True, gate_in_kernel=True, has_A=True, has_bias=True,
                      beta_sigmoid=True, pool=2, spec=True, has_ht=False, varlen=True, stages=3))
     out.append(C(mode="lightning", g_dtype="float32", beta_dtype="float32", stages=3))
+    # the [K,V] shared-memory transpose candidate (kv_smem): KDA with a pool (per-token writes), lightning
+    out.append(C(mode="kda", l2norm=True, gate_in_kernel=True, has_A=True, has_bias=True, has_lower_bound=True,
+                 beta_sigmoid=True, pool=2, spec=True, has_ht=False, varlen=True, kv_smem=True))
+    out.append(C(mode="lightning", g_dtype="float32", beta_dtype="float32", kv_smem=True))
     return out
 
 

@@ -263,13 +263,13 @@ def test_lightning_no_initial_state():
 
 # ---------------------------------------------------------------------------------------------
 # Tuning candidates (DecodeConfig knobs the H200 sweep, benchmarks/variants.py, chooses between):
-# the row-coalesced [K,V] mapping, narrower / wider CTAs, and persistent CTAs with a cp.async state
-# pipeline (stages). The same checks as above, knob on, so whichever the sweep picks as a default is
-# already tested. Persistent variants run with the grid capped at 2 SMs' worth of CTAs, so that
-# every test walks many tiles per CTA through the pipeline (wrap-around of the stages, inactive and
-# padding tiles between active ones); test_stream_full_grid runs the real grid.
+# the row-coalesced [K,V] mappings (kv_rows, kv_smem), narrower / wider CTAs, and persistent CTAs
+# with a cp.async state pipeline (stages). The same checks as above, knob on, so whichever the sweep
+# picks as a default is already tested. Persistent variants run with the grid capped at 2 SMs' worth
+# of CTAs, so that every test walks many tiles per CTA through the pipeline (wrap-around of the
+# stages, inactive and padding tiles between active ones); test_tuned_full_grid runs the real grid.
 TUNINGS = {"kv_rows": {"kv_rows": True, "stages": 0}, "bv16": {"bv": 16}, "bv64": {"bv": 64},
-           "stages2": {"stages": 2}, "stages3": {"stages": 3}}
+           "stages2": {"stages": 2}, "stages3": {"stages": 3}, "kv_smem": {"kv_smem": True}}
 
 
 @pytest.fixture(params=list(TUNINGS))
@@ -311,12 +311,22 @@ def test_tuned_lightning(tuned, T, varlen):
     test_lightning(T, False, varlen)
 
 
-@pytest.mark.parametrize("stages", [2, 3])
+def test_tuned_lightning_no_h0(tuned):
+    test_lightning_no_initial_state()
+
+
+@pytest.mark.parametrize("with_h0", [True, False])
+def test_tuned_kda_varlen_empty(tuned, with_h0):
+    test_kda_varlen_empty_and_single(False, with_h0)
+
+
+@pytest.mark.parametrize("knobs", [{"stages": 2}, {"stages": 3}, {"kv_smem": True}],
+                         ids=["stages2", "stages3", "kv_smem"])
 @pytest.mark.parametrize("vf", [False, True], ids=["kv", "vk"])
-def test_stream_full_grid(stages, vf):
-    """Persistent launch at its real grid (SMs x ctas_per_sm) on a serving-size step: 48 sequences x
-    32 heads x 4 column blocks = 6144 tiles, 2-D pool indices with speculative reads, padding
-    sequences and skipped writes; untouched pool slots stay bit-identical."""
+def test_tuned_full_grid(knobs, vf):
+    """Candidates at their real grid on a serving-size step (persistent launches: SMs x ctas_per_sm
+    CTAs): 48 sequences x 32 heads x 4 column blocks = 6144 tiles, 2-D pool indices with speculative
+    reads, padding sequences and skipped writes; untouched pool slots stay bit-identical."""
     from fla_cula.kernels import recurrent_decode
     from fla_cula.ops.kda import fused_recurrent_kda_fwd
     from fla_cula.reference import kda_decode_pool
@@ -330,12 +340,12 @@ def test_stream_full_grid(stages, vf):
     kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
               use_beta_sigmoid_in_kernel=True, state_v_first=vf)
     before = pool.clone()
-    recurrent_decode.set_tuning(stages=stages)
+    recurrent_decode.set_tuning(**knobs)
     try:
         out = _nan_like(v)
         o, _ = fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, inplace_final_state=True,
                                        ssm_state_indices=idx, num_accepted_tokens=na, out=out, **kw)
-        assert any(c.stages == stages for c in recurrent_decode._fn_cache)
+        assert any(all(getattr(c, a) == x for a, x in knobs.items()) for c in recurrent_decode._fn_cache)
     finally:
         recurrent_decode.set_tuning()
     ro, rpool = kda_decode_pool(q, k, v, g, beta, initial_state=before, inplace_final_state=True,
