@@ -22,6 +22,11 @@ no barrier. Both state layouts use the same ownership; only the vector direction
 state loads/stores differs ([K,V]: a float4 along V per row; [V,K]: two float4 along K per row).
 o and u use the identity o = S'^T q + (k.q) u, so a token needs ONE reduction pass (S'^T k,
 S'^T q, k.q and, with l2norm, |q|^2, |k|^2 all in one batch of shuffles).
+
+The body is a loop over tiles (vb, hv, n): one iteration per CTA by default; tuning candidates
+(DecodeConfig, measured in docs/decode_kernels.md) change how the state tile travels - `kv_rows`
+(row-coalesced [K,V] fragment, cross-warp reduction), `kv_smem` ([K,V] through a swizzled shared
+tile with row-coalesced copies), `stages` (persistent CTAs with a cp.async state pipeline).
 """
 
 import dataclasses
