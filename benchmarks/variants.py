@@ -76,8 +76,8 @@ def _use(mod_rd, variant: dict):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default='{"default": {}, "kv_rows": {"kv_rows": true, "stages": 0}, '
-                                          '"bv16": {"bv": 16}, "bv64": {"bv": 64}, "stages2": {"stages": 2}, '
-                                          '"stages3": {"stages": 3}, "kv_smem": {"kv_smem": true}}')
+                                          '"kv_smem": {"kv_smem": true}, "l2_prefetch": {"l2_prefetch": true}, '
+                                          '"stages3": {"stages": 3}}')
     ap.add_argument("--old-module", default=None, help="file of an earlier recurrent_decode.py ('old' row)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--batches", default="1,8,32,128,256")

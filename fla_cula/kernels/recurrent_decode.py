@@ -200,6 +200,17 @@ def _load_tok(KDA, KVROW, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt, b, tok
         rbt[0] = Float32(mBeta[b, tok, hv])
 
 
+def _prefetch_tok(KDA, KVROW, mQ, mK, mV, mG, b, tok, hq, hv, kl, vc):
+    """prefetch.global.L2 the lines of one token's inputs this thread will load (q, k and, for KDA,
+    g: both 64-element halves of the thread's K positions; v: its 4 columns)."""
+    rows = [mQ[b, tok, hq, None], mK[b, tok, hq, None]] + ([mG[b, tok, hv, None]] if KDA else [])
+    for row in rows:
+        p = _kvec(row, kl, KVROW).iterator
+        cute.arch.prefetch(p.llvm_ptr, cache_level="L2")
+        cute.arch.prefetch((p + 64).llvm_ptr, cache_level="L2")
+    cute.arch.prefetch(_vvec(mV[b, tok, hv, None], vc).iterator.llvm_ptr, cache_level="L2")
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """The specialization (compile key). Sizes B, T, H, HV, N, pool are NOT here (symbolic)."""
@@ -247,6 +258,9 @@ class DecodeConfig:
     # row-coalesced global loads and stores (what kv_rows gets), while the compute keeps the v2
     # mapping (shuffle reductions only: no per-token exchange, so T > 1 pays nothing extra).
     kv_smem: bool = False
+    # T > 1: at the start of a tile, prefetch the L2 lines of tokens 1..T-1's inputs, so the
+    # per-token loads of the serial token chain hit L2 instead of DRAM (T=4 costs 1.41-1.53x T=1).
+    l2_prefetch: bool = False
 
     def key(self):
         return tuple((f.name, getattr(self, f.name)) for f in fields(self))
@@ -456,6 +470,9 @@ class RecurrentDecode:
                     elif cutlass.const_expr(cfg.has_h0):
                         cute.autovec_copy(_state_view(VF, KVROW, mH0[rslot, hv, None, None], vc, kl), rS)
 
+                    if cutlass.const_expr(cfg.l2_prefetch):
+                        for t in cutlass.range(1, Tn, unroll=1):
+                            _prefetch_tok(KDA, KVROW, mQ, mK, mV, mG, b, bos + t, hq, hv, kl, vc)
                     for t in cutlass.range(Tn, unroll=1):
                         if cutlass.const_expr(not cfg.prefetch_next) and t > 0:
                             _load_tok(KDA, KVROW, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt,
@@ -680,6 +697,8 @@ class RecurrentDecode:
             e.append(r"cp\.async\.cg\.shared\.global.*16" if async_state else r"ld\.global\.v4\.b32")
         if c.l2norm:
             e.append(r"rsqrt")
+        if c.l2_prefetch:
+            e.append(r"prefetch\.global\.L2")
         return tuple(e)
 
     def spec(self) -> KernelSpec:
@@ -750,6 +769,10 @@ def representative_configs() -> list:
     out.append(C(mode="kda", l2norm=True, gate_in_kernel=True, has_A=True, has_bias=True, has_lower_bound=True,
                  beta_sigmoid=True, pool=2, spec=True, has_ht=False, varlen=True, kv_smem=True))
     out.append(C(mode="lightning", g_dtype="float32", beta_dtype="float32", kv_smem=True))
+    # the L2 prefetch of a multi-token step's later tokens (l2_prefetch)
+    out.append(C(mode="kda", state_v_first=True, l2norm=True, gate_in_kernel=True, has_A=True, has_bias=True,
+                 beta_sigmoid=True, pool=2, spec=True, has_ht=False, varlen=True, l2_prefetch=True))
+    out.append(C(mode="lightning", g_dtype="float32", beta_dtype="float32", l2_prefetch=True))
     return out
 
 
