@@ -264,10 +264,11 @@ def test_lightning_no_initial_state():
 # ---------------------------------------------------------------------------------------------
 # Tuning candidates (DecodeConfig knobs the H200 sweep, benchmarks/variants.py, chooses between):
 # the row-coalesced [K,V] mappings (kv_rows, kv_smem), narrower / wider CTAs, persistent CTAs with a
-# cp.async state pipeline (stages), and the L2 prefetch of a multi-token step's tokens (l2_prefetch). The same checks as above, knob on, so whichever the sweep
-# picks as a default is already tested. Persistent variants run with the grid capped at 2 SMs' worth
-# of CTAs, so that every test walks many tiles per CTA through the pipeline (wrap-around of the
-# stages, inactive and padding tiles between active ones); test_tuned_full_grid runs the real grid.
+# cp.async state pipeline (stages), and the L2 prefetch of a multi-token step's tokens (l2_prefetch).
+# The same checks as above, knob on, so whichever the sweep picks as a default is already tested.
+# Persistent variants run with the grid capped at 2 SMs' worth of CTAs, so that every test walks
+# many tiles per CTA through the pipeline (wrap-around of the stages, inactive and padding tiles
+# between active ones); test_tuned_full_grid runs the real grid.
 TUNINGS = {"kv_rows": {"kv_rows": True, "stages": 0}, "bv16": {"bv": 16}, "bv64": {"bv": 64},
            "stages2": {"stages": 2}, "stages3": {"stages": 3}, "kv_smem": {"kv_smem": True},
            "l2_prefetch": {"l2_prefetch": True}}
