@@ -26,7 +26,9 @@ S'^T q, k.q and, with l2norm, |q|^2, |k|^2 all in one batch of shuffles).
 The body is a loop over tiles (vb, hv, n): one iteration per CTA by default; tuning candidates
 (DecodeConfig, measured in docs/decode_kernels.md) change how the state tile travels - `kv_rows`
 (row-coalesced [K,V] fragment, cross-warp reduction), `kv_smem` ([K,V] through a swizzled shared
-tile with row-coalesced copies), `stages` (persistent CTAs with a cp.async state pipeline).
+tile with row-coalesced copies), `stages` (persistent CTAs with a cp.async state pipeline),
+`l2_prefetch` (L2 prefetch of a multi-token step's later tokens). Candidates that lose the sweep
+are deleted, not kept.
 """
 
 import dataclasses
