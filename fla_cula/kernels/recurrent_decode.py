@@ -136,12 +136,17 @@ def _stage_view(VF, sStage, stage, tidx, CH, atom):
 # rows), and between the tile and the thread's fragment in the compute mapping. 16-byte chunk c of
 # row r lives at chunk c ^ ((r >> 2) & 7): both the coalesced pass (8 lanes = one row's 8 chunks) and
 # the fragment reads (8 lanes = rows 4kl.., one column group) hit 8 distinct bank groups.
+def _vec4_layouts():
+    """One 16-byte vector of 4 floats: plain, or shaped ((4 values), 1) for a cp.async atom."""
+    return cute.make_layout((4,), stride=(1,)), cute.make_layout(((4,), 1), stride=((1,), 0))
+
+
 def _kvs_row_chunk(t2d, vb, tidx, i, atom_shape):
     """Global 16-byte chunk of the thread's i-th coalesced row: row tidx//8 + 16 i, columns
     32 vb + 4 (tidx%8) ..+4. A warp instruction covers 4 whole 128-byte rows."""
     vv = t2d.shape[1]
     off = (tidx // 8 + 16 * i) * vv + 32 * vb + 4 * (tidx % 8)
-    lay = cute.make_layout(((4,), 1), stride=((1,), 0)) if atom_shape else cute.make_layout((4,), stride=(1,))
+    lay = _vec4_layouts()[1 if atom_shape else 0]
     return _al(cute.make_tensor(t2d.iterator + off, lay), 16)
 
 
@@ -149,7 +154,7 @@ def _kvs_chunk(sKV, tidx, i, atom_shape):
     """Shared-memory chunk of the thread's i-th coalesced row (row r0 + 16 i, r0 = tidx//8)."""
     r0 = tidx // 8
     phys = (tidx % 8) ^ (r0 // 4) ^ (4 * (i % 2))  # (r >> 2) & 7 with r = r0 + 16 i, r0 < 16
-    lay = cute.make_layout(((4,), 1), stride=((1,), 0)) if atom_shape else cute.make_layout((4,), stride=(1,))
+    lay = _vec4_layouts()[1 if atom_shape else 0]
     return _al(cute.make_tensor(sKV.iterator + (r0 + 16 * i) * 32 + 4 * phys, lay), 16)
 
 
