@@ -176,5 +176,5 @@ def run(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_sta
     launch(fn, q.device, q, k, v, g, beta, A_log if has_A else None, dt_bias if has_bias else None,
             initial_state, final if has_ht else None, out, cu_seqlens,
             ssm_state_indices, num_accepted_tokens if pool else None,
-            float(scale), float(lower_bound) if has_lb else 0.0, max_ctas(q.device, per_sm))
+            float(scale), float(lower_bound) if has_lb else 0.0, max_ctas(q, per_sm))
     return out, final

@@ -78,5 +78,5 @@ def run(q, k, v, g_gamma, scale, initial_state, output_final_state, reverse, sta
         ent = _cfg_cache[key] = get_kernel(cfg)
     fn, per_sm = ent
     launch(fn, q.device, q, k, v, g_gamma, None, None, None, initial_state, ht, o, cu_seqlens, None, None,
-            float(scale), 0.0, max_ctas(q.device, per_sm))
+            float(scale), 0.0, max_ctas(q, per_sm))
     return o, ht
