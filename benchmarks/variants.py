@@ -66,7 +66,8 @@ def _use(mod_rd, variant: dict):
     def old_kernel(cfg, m=mod_rd):  # an older module: translate the configs it knows
         fn = m.get_kernel(m.DecodeConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
                                             if f.name in names}))
-        return fn if isinstance(fn, tuple) else ((lambda *a: fn(*a[:-1])), 0)
+        # modules of the persistent-CTA era returned (fn, CTAs per SM) and took a trailing max_ctas
+        return (lambda *a, f=fn[0]: f(*a, 0)) if isinstance(fn, tuple) else fn
 
     for host in (kda_decode, lightning_decode):
         host._cfg_cache.clear()
@@ -75,9 +76,9 @@ def _use(mod_rd, variant: dict):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default='{"default": {}, "kv_rows": {"kv_rows": true, "stages": 0}, '
-                                          '"kv_smem": {"kv_smem": true}, "l2_prefetch": {"l2_prefetch": true}, '
-                                          '"stages3": {"stages": 3}}')
+    ap.add_argument("--variants", default='{"default": {}, "v2": {"kv_rows": false}, "kv_rows": {"kv_rows": true}, '
+                                          '"kv_smem": {"kv_smem": true, "kv_rows": false}, '
+                                          '"l2_prefetch": {"l2_prefetch": true}}')
     ap.add_argument("--old-module", default=None, help="file of an earlier recurrent_decode.py ('old' row)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--batches", default="1,8,32,128,256")

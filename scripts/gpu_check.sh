@@ -2,8 +2,8 @@
 # Everything the H200 is needed for (build the extension, `python -m fla_cula info`, GPU pytest,
 # the README's model demo, `python -m parity`, `python -m benchmarks --quick`); full reports into
 # OUTDIR, a short summary table printed LAST. A device call is limited to 10 minutes: on a fresh
-# machine (FLA's Triton kernels compile and autotune for minutes) split the steps over two calls:
-#   STEPS="build info pytest demo" ...   then   STEPS="parity bench" ...
+# machine (FLA's Triton kernels compile and autotune for minutes) split the steps over three calls:
+#   STEPS="build info pytest demo" ...   then   STEPS="parity" T_PARITY=540 ...   then   STEPS="bench" ...
 #
 #   source /opt/gpu-env.sh && bash scripts/gpu_check.sh "$OUT"
 #
@@ -24,8 +24,8 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # the checkout's fla_cula, parity, benchmarks
 export FLA_CULA_COMMIT="${FLA_CULA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
-T_BUILD="${T_BUILD:-90}"; T_INFO="${T_INFO:-60}"; T_PYTEST="${T_PYTEST:-240}"; T_DEMO="${T_DEMO:-240}"
-T_PARITY="${T_PARITY:-240}"; T_BENCH="${T_BENCH:-300}"
+T_BUILD="${T_BUILD:-90}"; T_INFO="${T_INFO:-60}"; T_PYTEST="${T_PYTEST:-280}"; T_DEMO="${T_DEMO:-190}"
+T_PARITY="${T_PARITY:-300}"; T_BENCH="${T_BENCH:-300}"
 STEPS=" ${STEPS:-build info pytest demo parity bench} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 

@@ -347,3 +347,23 @@ def test_parity_rejects_bad_jobs(capsys):
     with pytest.raises(SystemExit) as e:
         pmain.main(["--jobs", "0", "--list"])
     assert e.value.code == 2 and "--jobs must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_parity_schedule_pilots_then_followers():
+    """--jobs: one pilot per group of cases that compile the same FLA kernels, chunk-op backward
+    groups first; every case is scheduled exactly once, a follower after its own group's pilot."""
+    from parity.cases import grid
+    from parity.pool import _schedule
+
+    cases = grid(None)
+    pilots, followers = _schedule(cases)
+    scheduled = pilots + [f for p in pilots for f in followers[p]]
+    assert sorted(scheduled) == list(range(len(cases)))
+    key = lambda c: (c.op, c.grad, c.dtype, c.K, c.V, c.varlen is not None)  # noqa: E731
+    assert len({key(cases[p]) for p in pilots}) == len(pilots)
+    for p in pilots:
+        assert all(key(cases[f]) == key(cases[p]) and f > p for f in followers[p])
+    first = cases[pilots[0]]
+    assert first.op.startswith("chunk") and first.grad
+    chunk = [cases[p].op.startswith("chunk") for p in pilots]
+    assert chunk == sorted(chunk, reverse=True)  # every chunk-op pilot before any recurrent one

@@ -31,21 +31,6 @@ def state_reason(s, N, HV, K, V, vf, pool, what) -> str | None:
     return None
 
 
-_SMS: dict = {}
-
-
-def max_ctas(x: torch.Tensor, per_sm: int) -> int:
-    """Grid cap of a persistent launch on x's device: SMs x resident CTAs per SM (0: not persistent;
-    then nothing else is looked at, the eager path stays lean)."""
-    if not per_sm:
-        return 0
-    dev = x.device
-    n = _SMS.get(dev.index)
-    if n is None:
-        n = _SMS[dev.index] = torch.cuda.get_device_properties(dev).multi_processor_count
-    return n * per_sm
-
-
 def launch(fn, dev: torch.device, *args) -> None:
     """Launch on the tensors' device (and that device's current stream, which TVM-FFI reads from
     torch): a call whose tensors live on another GPU than the current one switches device first."""

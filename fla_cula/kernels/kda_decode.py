@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from fla_cula.kernels._host import FLOAT, I31, INT, KV, aligned, launch, max_ctas, qk_reason, seqs_reason, state_reason
+from fla_cula.kernels._host import FLOAT, I31, INT, KV, aligned, launch, qk_reason, seqs_reason, state_reason
 from fla_cula.kernels.recurrent_decode import DecodeConfig, get_kernel
 
 
@@ -122,6 +122,15 @@ def check(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_s
     return None
 
 
+def use_kv_rows(q, cu_seqlens, state_v_first) -> bool:
+    """[K,V] state: the row-coalesced mapping (kv_rows) wins a one-token step, v2 a multi-token one
+    (kv_rows' per-token shared-memory exchange sits on the serial token chain); measured in
+    docs/decode_kernels.md. Varlen: at most one token per sequence on average. Shapes only."""
+    if state_v_first:
+        return False
+    return q.shape[1] == 1 if cu_seqlens is None else q.shape[1] <= cu_seqlens.shape[0] - 1
+
+
 _cfg_cache: dict = {}
 
 
@@ -146,6 +155,7 @@ def run(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_sta
         final = q.new_empty((N, HV, 128, 128), dtype=torch.float32)
     has_ht = (not pool) and final is not None
     sig = bool(use_beta_sigmoid_in_kernel)
+    rows = use_kv_rows(q, cu_seqlens, state_v_first)
     key = (q.dtype, v.dtype, g.dtype, beta.dtype, out.dtype, bool(state_v_first),
            initial_state is not None, has_ht,
            None if cu_seqlens is None else cu_seqlens.dtype,
@@ -153,9 +163,9 @@ def run(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_sta
            None if not pool else ssm_state_indices.dtype,
            None if (not pool or num_accepted_tokens is None) else num_accepted_tokens.dtype,
            bool(use_qk_l2norm_in_kernel), gate, None if not has_A else A_log.dtype,
-           None if not has_bias else dt_bias.dtype, has_lb, sig, sig and bool(allow_neg_eigval))
-    ent = _cfg_cache.get(key)
-    if ent is None:
+           None if not has_bias else dt_bias.dtype, has_lb, sig, sig and bool(allow_neg_eigval), rows)
+    fn = _cfg_cache.get(key)
+    if fn is None:
         cfg = DecodeConfig(
             mode="kda", state_v_first=key[5], qk_dtype=FLOAT[q.dtype], v_dtype=FLOAT[v.dtype],
             g_dtype=FLOAT[g.dtype], beta_dtype=FLOAT[beta.dtype], o_dtype=FLOAT[out.dtype],
@@ -166,9 +176,8 @@ def run(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_sta
             l2norm=key[12], gate_in_kernel=gate, has_A=has_A,
             a_dtype=FLOAT[A_log.dtype] if has_A else "float32", has_bias=has_bias,
             bias_dtype=FLOAT[dt_bias.dtype] if has_bias else "float32",
-            has_lower_bound=has_lb, beta_sigmoid=sig, neg_eigval=key[18])
-        ent = _cfg_cache[key] = get_kernel(cfg)
-    fn, per_sm = ent
+            has_lower_bound=has_lb, beta_sigmoid=sig, neg_eigval=key[18], kv_rows=rows)
+        fn = _cfg_cache[key] = get_kernel(cfg)
     if has_A and A_log.ndim != 1:
         A_log = A_log.view(-1)
     if has_bias and dt_bias.ndim != 1:
@@ -176,5 +185,5 @@ def run(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_sta
     launch(fn, q.device, q, k, v, g, beta, A_log if has_A else None, dt_bias if has_bias else None,
             initial_state, final if has_ht else None, out, cu_seqlens,
             ssm_state_indices, num_accepted_tokens if pool else None,
-            float(scale), float(lower_bound) if has_lb else 0.0, max_ctas(q, per_sm))
+            float(scale), float(lower_bound) if has_lb else 0.0)
     return out, final

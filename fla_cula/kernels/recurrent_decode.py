@@ -23,12 +23,12 @@ state loads/stores differs ([K,V]: a float4 along V per row; [V,K]: two float4 a
 o and u use the identity o = S'^T q + (k.q) u, so a token needs ONE reduction pass (S'^T k,
 S'^T q, k.q and, with l2norm, |q|^2, |k|^2 all in one batch of shuffles).
 
-The body is a loop over tiles (vb, hv, n): one iteration per CTA by default; tuning candidates
-(DecodeConfig, measured in docs/decode_kernels.md) change how the state tile travels - `kv_rows`
-(row-coalesced [K,V] fragment, cross-warp reduction), `kv_smem` ([K,V] through a swizzled shared
-tile with row-coalesced copies), `stages` (persistent CTAs with a cp.async state pipeline),
-`l2_prefetch` (L2 prefetch of a multi-token step's later tokens). Candidates that lose the sweep
-are deleted, not kept.
+A CTA owns one tile (vb, hv, n). DecodeConfig knobs (measured in docs/decode_kernels.md) change
+how the state tile travels: `kv_rows` (row-coalesced [K,V] fragment, one cross-warp reduction per
+token; the host's choice for one-token KDA steps and for lightning), and the candidates `kv_smem`
+([K,V] through a swizzled shared tile with row-coalesced copies) and `l2_prefetch` (L2 prefetch of
+a multi-token step's later tokens). Candidates that lose the sweep are deleted (persistent CTAs
+with a cp.async pipeline, `stages`, lost in session 2 and are gone).
 """
 
 import dataclasses
@@ -100,35 +100,6 @@ def _state_view(VF, KVROW, t2d, vc, kl):
         lay = cute.make_layout(((4, 2), 4), stride=((vv, 64 * vv), 1))
         off = 4 * kl * vv + 4 * vc
     return _al(cute.make_tensor(t2d.iterator + off, lay), 16)
-
-
-def _state_atom_view(VF, t2d, vc, kl):
-    """The thread's state fragment (as _state_view) shaped for a 16-byte cp.async atom:
-    ((4 contiguous floats), 8 chunks); chunk order matches _stage_view."""
-    if VF:
-        kk = t2d.shape[1]  # chunk c = h + 2 jv: k half h, value row jv
-        lay = cute.make_layout(((4,), (2, 4)), stride=((1,), (64, kk)))
-        off = 4 * vc * kk + 4 * kl
-    else:
-        vv = t2d.shape[1]  # chunk c = r + 4 h: row k = 4 kl + r + 64 h
-        lay = cute.make_layout(((4,), (4, 2)), stride=((1,), (vv, 64 * vv)))
-        off = 4 * kl * vv + 4 * vc
-    return _al(cute.make_tensor(t2d.iterator + off, lay), 16)
-
-
-def _stage_view(VF, sStage, stage, tidx, CH, atom):
-    """The thread's 8 x 16-byte chunks in shared-memory stage `stage`: chunk c of thread t at float
-    offset c*CH + 4t (CH = 4 x threads), so a warp's 16-byte accesses hit consecutive banks.
-    atom=True: shaped like _state_atom_view (the cp.async destination); False: shaped like the
-    register fragment rS of _state_view (the read back)."""
-    base = sStage.iterator + stage * (8 * CH) + 4 * tidx
-    if atom:
-        lay = cute.make_layout(((4,), (2, 4)), stride=((1,), (CH, 2 * CH))) if VF else \
-            cute.make_layout(((4,), (4, 2)), stride=((1,), (CH, 4 * CH)))
-    else:
-        lay = cute.make_layout((4, (4, 2)), stride=(2 * CH, (1, CH))) if VF else \
-            cute.make_layout(((4, 2), 4), stride=((CH, 4 * CH), 1))
-    return _al(cute.make_tensor(base, lay), 16)
 
 
 # ---- kv_smem: the [K,V] state tile (128 rows x 32 floats) moves between global memory and a
@@ -252,15 +223,9 @@ class DecodeConfig:
     prefetch_next: bool = True     # load token t+1's inputs while token t computes (T > 1)
     min_ctas: int = 0              # >0: ask ptxas for this many CTAs per SM (caps registers)
     # [K,V] layout only: lanes along V so each warp instruction reads whole 128-byte rows; K is split
-    # over lanes and warps, reduced by shuffles + one shared-memory exchange per token. Candidate
-    # from the ncu profile (L1/L2-bound at 88-96% with DRAM at 62-71%); off until measured.
+    # over lanes and warps, reduced by shuffles + one shared-memory exchange per token. The host
+    # sets it for one-token KDA steps and for lightning (measured: -5..-15% at T=1; KDA T=4 +6%).
     kv_rows: bool = False
-    # >= 2: persistent CTAs (grid = min(tiles, SMs x ctas_per_sm)) that walk the tiles and prefetch
-    # the state of the tile `stages - 1` ahead into shared memory with cp.async, so the bytes in
-    # flight per SM no longer depend on the registers (the v2 profile: DRAM 62-71% at B=256).
-    # 0: one CTA per tile, the state loaded straight into registers.
-    stages: int = 0
-    ctas_per_sm: int = 4           # stages >= 2: resident CTAs per SM asked of ptxas and launched
     # [K,V] layout only: the state tile moves through a swizzled 16 KiB shared-memory tile with
     # row-coalesced global loads and stores (what kv_rows gets), while the compute keeps the v2
     # mapping (shuffle reductions only: no per-token exchange, so T > 1 pays nothing extra).
@@ -291,10 +256,8 @@ class RecurrentDecode:
         assert cfg.K == 128 and cfg.V % cfg.bv == 0 and cfg.bv % 8 == 0
         if cfg.kv_rows and not cfg.state_v_first and cfg.bv != 32:
             raise ValueError(f"kv_rows maps 4 warps x 32 value columns: bv must be 32, got {cfg.bv}")
-        if cfg.stages == 1 or cfg.stages < 0 or (cfg.stages and cfg.kv_rows and not cfg.state_v_first):
-            raise ValueError(f"stages must be 0 or >= 2 and not combined with kv_rows, got {cfg.stages}")
-        if cfg.kv_smem and not cfg.state_v_first and (cfg.kv_rows or cfg.stages or cfg.bv != 32):
-            raise ValueError("kv_smem needs bv=32 and neither kv_rows nor stages")
+        if cfg.kv_smem and not cfg.state_v_first and (cfg.kv_rows or cfg.bv != 32):
+            raise ValueError("kv_smem needs bv=32 and not kv_rows")
         self.cfg = cfg
 
     # ------------------------------------------------------------------------------------------
@@ -309,9 +272,7 @@ class RecurrentDecode:
         POOL = cfg.pool
         KVROW = cfg.kv_rows and not VF
         KVSMEM = cfg.kv_smem and not VF
-        STAGES = cfg.stages
         NVB = V // BV
-        CH = NTHR * 4  # shared-memory stage: 8 chunks x NTHR threads x 4 floats (conflict-free)
         f32 = Float32
 
         def fexp(x):
@@ -369,22 +330,6 @@ class RecurrentDecode:
                     active = Int32(0)
             return vb, hv, n, b, bos, Tn, active, rslot
 
-        @cute.jit
-        def prefetch(tile, stage, ntiles, tidx, sStage: cute.Tensor, mQ: cute.Tensor, mCu: cute.Tensor,
-                     mIdx: cute.Tensor, mNa: cute.Tensor, mH0: cute.Tensor, HVn):
-            """cp.async the thread's state fragment of `tile` into shared-memory stage `stage` and
-            commit one group (an empty one past the last tile or for an inactive tile)."""
-            if cutlass.const_expr(cfg.has_h0):
-                if tile < ntiles:
-                    vb, hv, n, b, bos, Tn, active, rslot = tile_meta(tile, mQ, mCu, mIdx, mNa, mH0, HVn)
-                    if active != 0:
-                        kl, vc, wr = thread_map(vb, tidx % 32, tidx // 32)
-                        atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL),
-                                                   f32, num_bits_per_copy=128)
-                        cute.copy(atom, _state_atom_view(VF, mH0[rslot, hv, None, None], vc, kl),
-                                  _stage_view(VF, sStage, stage, tidx, CH, True))
-            cute.arch.cp_async_commit_group()
-
         @cute.kernel
         def kernel(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
                    mBeta: cute.Tensor, mA: cute.Tensor, mBias: cute.Tensor, mH0: cute.Tensor,
@@ -404,241 +349,208 @@ class RecurrentDecode:
                                                num_bits_per_copy=128)
             HQ = mQ.shape[2]
             HVn = mV.shape[2]
-            nseq = mQ.shape[0]
-            if cutlass.const_expr(cfg.varlen):
-                nseq = mCu.shape[0] - 1
-            # tiles: (column block vb, value head hv, sequence n), vb fastest
-            ntiles = NVB * HVn * nseq
-            first = Int32(0)
-            step = Int32(1)
-            if cutlass.const_expr(STAGES == 0):
-                bx, by, bz = cute.arch.block_idx()
-                first = bx + NVB * (by + HVn * bz)
-                step = ntiles
-            else:
-                bx, _, _ = cute.arch.block_idx()
-                gx, _, _ = cute.arch.grid_dim()
-                first = bx
-                step = gx
-                sStage = cutlass.memory.SmemAllocator().allocate_tensor(
-                    f32, cute.make_layout((STAGES * 8 * CH,), stride=(1,)), byte_alignment=16)
-                for s0 in cutlass.range_constexpr(STAGES - 1):
-                    prefetch(first + s0 * step, s0, ntiles, tidx, sStage, mQ, mCu, mIdx, mNa, mH0, HVn)
-            it = Int32(0)
-            for tile in cutlass.range(first, ntiles, step, unroll=1):
-                if cutlass.const_expr(STAGES != 0):
-                    prefetch(tile + (STAGES - 1) * step, (it + STAGES - 1) % STAGES, ntiles, tidx, sStage,
-                             mQ, mCu, mIdx, mNa, mH0, HVn)
-                    cute.arch.cp_async_wait_group(STAGES - 1)
-                vb, hv, n, b, bos, Tn, active, rslot = tile_meta(tile, mQ, mCu, mIdx, mNa, mH0, HVn)
-                hq = hv // (HVn // HQ)
-                # kl: the thread's K position (warp-K mapping: lane % 16; row mapping: first row kb)
-                # vc: its column group, v in [4vc, 4vc+4); wr: whether it writes o (one writer per column)
-                kl, vc, wr = thread_map(vb, lane, warp)
-                # ---- registers: state fragment + one token's raw inputs (prefetch buffers) ----
-                # rS holds the thread's 32 state elements; S(i, j) names element (k=kmap(i), v=4vc+j)
-                # in either layout (trace-time index swap, no data movement).
-                rS = cute.make_rmem_tensor((4, 8) if VF else (8, 4), f32)
-                rS.fill(0.0)
-                rq8 = cute.make_rmem_tensor((8,), mQ.element_type)
-                rk8 = cute.make_rmem_tensor((8,), mK.element_type)
-                rv4 = cute.make_rmem_tensor((4,), mV.element_type)
-                ro4 = cute.make_rmem_tensor((4,), mO.element_type)
-                rdec = cute.make_rmem_tensor((8,), f32)
-                rg8 = cute.make_rmem_tensor((8,), mG.element_type if KDA else f32)
-                rg8.fill(0.0)
-                rbt = cute.make_rmem_tensor((1,), f32)
-                rbt[0] = f32(0.0)
+            bx, by, bz = cute.arch.block_idx()
+            tile = bx + NVB * (by + HVn * bz)  # a CTA per tile (vb, hv, n), vb fastest
+            vb, hv, n, b, bos, Tn, active, rslot = tile_meta(tile, mQ, mCu, mIdx, mNa, mH0, HVn)
+            hq = hv // (HVn // HQ)
+            # kl: the thread's K position (warp-K mapping: lane % 16; row mapping: first row kb)
+            # vc: its column group, v in [4vc, 4vc+4); wr: whether it writes o (one writer per column)
+            kl, vc, wr = thread_map(vb, lane, warp)
+            # ---- registers: state fragment + one token's raw inputs (prefetch buffers) ----
+            # rS holds the thread's 32 state elements; S(i, j) names element (k=kmap(i), v=4vc+j)
+            # in either layout (trace-time index swap, no data movement).
+            rS = cute.make_rmem_tensor((4, 8) if VF else (8, 4), f32)
+            rS.fill(0.0)
+            rq8 = cute.make_rmem_tensor((8,), mQ.element_type)
+            rk8 = cute.make_rmem_tensor((8,), mK.element_type)
+            rv4 = cute.make_rmem_tensor((4,), mV.element_type)
+            ro4 = cute.make_rmem_tensor((4,), mO.element_type)
+            rdec = cute.make_rmem_tensor((8,), f32)
+            rg8 = cute.make_rmem_tensor((8,), mG.element_type if KDA else f32)
+            rg8.fill(0.0)
+            rbt = cute.make_rmem_tensor((1,), f32)
+            rbt[0] = f32(0.0)
 
-                if active != 0:
-                    # Issue order = latency order: token 0's inputs and the per-head constants first,
-                    # then the 16 KiB state stream; nothing below waits until the decay multiply.
-                    if Tn > 0:
-                        _load_tok(KDA, KVROW, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt, b, bos, hq, hv, kl, vc)
-                    gam = f32(0.0)
-                    if cutlass.const_expr(not KDA):
-                        gam = fexp(f32(mG[hq]))
-                    aexp = f32(1.0)
-                    if cutlass.const_expr(KDA and cfg.gate_in_kernel and cfg.has_A):
-                        aexp = fexp(f32(mA[hv]))
-                    rbias = cute.make_rmem_tensor((8,), f32)
-                    rbias.fill(0.0)
-                    if cutlass.const_expr(KDA and cfg.gate_in_kernel and cfg.has_bias):
-                        rb8 = cute.make_rmem_tensor((8,), mBias.element_type)
-                        cute.autovec_copy(_kvec(cute.local_tile(mBias, (K,), (hv,)), kl, KVROW), rb8)
-                        rbias.store(rb8.load().to(f32))
-                    if cutlass.const_expr(cfg.has_h0 and STAGES != 0):
-                        cute.autovec_copy(_stage_view(VF, sStage, it % STAGES, tidx, CH, False), rS)
-                    elif cutlass.const_expr(cfg.has_h0 and KVSMEM):
-                        _kvs_load(sKV, mH0[rslot, hv, None, None], vb, tidx, kvs_atom)
-                        cute.arch.cp_async_wait_group(0)
-                        cute.arch.barrier()
-                        cute.autovec_copy(_kvs_frag(sKV, kl, vc - vb * (BV // 4)), rS)
-                    elif cutlass.const_expr(cfg.has_h0):
-                        cute.autovec_copy(_state_view(VF, KVROW, mH0[rslot, hv, None, None], vc, kl), rS)
+            if active != 0:
+                # Issue order = latency order: token 0's inputs and the per-head constants first,
+                # then the 16 KiB state stream; nothing below waits until the decay multiply.
+                if Tn > 0:
+                    _load_tok(KDA, KVROW, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt, b, bos, hq, hv, kl, vc)
+                gam = f32(0.0)
+                if cutlass.const_expr(not KDA):
+                    gam = fexp(f32(mG[hq]))
+                aexp = f32(1.0)
+                if cutlass.const_expr(KDA and cfg.gate_in_kernel and cfg.has_A):
+                    aexp = fexp(f32(mA[hv]))
+                rbias = cute.make_rmem_tensor((8,), f32)
+                rbias.fill(0.0)
+                if cutlass.const_expr(KDA and cfg.gate_in_kernel and cfg.has_bias):
+                    rb8 = cute.make_rmem_tensor((8,), mBias.element_type)
+                    cute.autovec_copy(_kvec(cute.local_tile(mBias, (K,), (hv,)), kl, KVROW), rb8)
+                    rbias.store(rb8.load().to(f32))
+                if cutlass.const_expr(cfg.has_h0 and KVSMEM):
+                    _kvs_load(sKV, mH0[rslot, hv, None, None], vb, tidx, kvs_atom)
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.barrier()
+                    cute.autovec_copy(_kvs_frag(sKV, kl, vc - vb * (BV // 4)), rS)
+                elif cutlass.const_expr(cfg.has_h0):
+                    cute.autovec_copy(_state_view(VF, KVROW, mH0[rslot, hv, None, None], vc, kl), rS)
 
-                    if cutlass.const_expr(cfg.l2_prefetch):
-                        for t in cutlass.range(1, Tn, unroll=1):
-                            _prefetch_tok(KDA, KVROW, mQ, mK, mV, mG, b, bos + t, hq, hv, kl, vc)
-                    for t in cutlass.range(Tn, unroll=1):
-                        if cutlass.const_expr(not cfg.prefetch_next) and t > 0:
-                            _load_tok(KDA, KVROW, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt,
-                                      b, bos + t, hq, hv, kl, vc)
-                        qf = rq8.load().to(f32)
-                        kf = rk8.load().to(f32)
-                        vf = rv4.load().to(f32)
-                        gf = rg8.load().to(f32)
-                        bt = rbt[0]
-                        if cutlass.const_expr(cfg.prefetch_next) and t + 1 < Tn:
-                            # prefetch the next token: its latency leaves the serial chain
-                            _load_tok(KDA, KVROW, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt,
-                                      b, bos + t + 1, hq, hv, kl, vc)
-                        # ---- decay ----
-                        if cutlass.const_expr(KDA):
-                            for i in cutlass.range_constexpr(8):
-                                gi = gf[i]
-                                if cutlass.const_expr(cfg.gate_in_kernel):
-                                    gi = gi + rbias[i]
-                                    if cutlass.const_expr(cfg.has_lower_bound):
-                                        gi = lower_bound * sigmoid(aexp * gi)
-                                    else:
-                                        sp = gi
-                                        if gi <= f32(20.0):  # FLA's softplus threshold
-                                            sp = cute.math.log2(f32(1.0) + fexp(gi), fastmath=True) * LN2
-                                        gi = -aexp * sp
-                                rdec[i] = fexp(gi)
-                            for i in cutlass.range_constexpr(8):
-                                for jj in cutlass.range_constexpr(4):
-                                    _sset(rS, VF, i, jj, _sget(rS, VF, i, jj) * rdec[i])
-                        else:
-                            for i in cutlass.range_constexpr(8):
-                                for jj in cutlass.range_constexpr(4):
-                                    _sset(rS, VF, i, jj, _sget(rS, VF, i, jj) * gam)
-                        # ---- one batched reduction over K (16 lanes hold all of K) ----
-                        NR = 4 + (4 if KDA else 0) + 1 + (2 if cfg.l2norm else 0)
-                        red = cute.make_rmem_tensor((NR,), f32)
-                        for jj in cutlass.range_constexpr(4):
-                            aq = f32(0.0)
-                            for i in cutlass.range_constexpr(8):
-                                aq = aq + _sget(rS, VF, i, jj) * qf[i]
-                            red[jj] = aq
-                            if cutlass.const_expr(KDA):
-                                ak = f32(0.0)
-                                for i in cutlass.range_constexpr(8):
-                                    ak = ak + _sget(rS, VF, i, jj) * kf[i]
-                                red[4 + jj] = ak
-                        base = 8 if KDA else 4
-                        kq = f32(0.0)
+                if cutlass.const_expr(cfg.l2_prefetch):
+                    for t in cutlass.range(1, Tn, unroll=1):
+                        _prefetch_tok(KDA, KVROW, mQ, mK, mV, mG, b, bos + t, hq, hv, kl, vc)
+                for t in cutlass.range(Tn, unroll=1):
+                    if cutlass.const_expr(not cfg.prefetch_next) and t > 0:
+                        _load_tok(KDA, KVROW, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt,
+                                  b, bos + t, hq, hv, kl, vc)
+                    qf = rq8.load().to(f32)
+                    kf = rk8.load().to(f32)
+                    vf = rv4.load().to(f32)
+                    gf = rg8.load().to(f32)
+                    bt = rbt[0]
+                    if cutlass.const_expr(cfg.prefetch_next) and t + 1 < Tn:
+                        # prefetch the next token: its latency leaves the serial chain
+                        _load_tok(KDA, KVROW, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt,
+                                  b, bos + t + 1, hq, hv, kl, vc)
+                    # ---- decay ----
+                    if cutlass.const_expr(KDA):
                         for i in cutlass.range_constexpr(8):
-                            kq = kq + kf[i] * qf[i]
-                        red[base] = kq
-                        if cutlass.const_expr(cfg.l2norm):
-                            qq = f32(0.0)
-                            kk = f32(0.0)
-                            for i in cutlass.range_constexpr(8):
-                                qq = qq + qf[i] * qf[i]
-                                kk = kk + kf[i] * kf[i]
-                            red[base + 1] = qq
-                            red[base + 2] = kk
-                        if cutlass.const_expr(KVROW):
-                            # over the 4 row-lanes of a warp, then over the 4 warps through shared memory
-                            # (double-buffered by token parity: one barrier per token is enough)
-                            for sh in cutlass.range_constexpr(2):
-                                for r in cutlass.range_constexpr(NR):
-                                    red[r] = red[r] + cute.arch.shuffle_sync_bfly(red[r], offset=8 << sh)
-                            par = t % 2
-                            if lane < 8:
-                                for r in cutlass.range_constexpr(NR):
-                                    sRed[par, warp, lane, r] = red[r]
-                            cute.arch.barrier()
-                            for r in cutlass.range_constexpr(NR):
-                                acc = f32(0.0)
-                                for w in cutlass.range_constexpr(4):
-                                    acc = acc + sRed[par, w, lane % 8, r]
-                                red[r] = acc
-                        else:
-                            for sh in cutlass.range_constexpr(4):
-                                for r in cutlass.range_constexpr(NR):
-                                    red[r] = red[r] + cute.arch.shuffle_sync_bfly(red[r], offset=1 << sh)
-                        # ---- token update: u = beta (v - S'^T k);  o = S'^T q + (k.q) u;  S += k u^T ----
-                        rqn = scale
-                        rkn = f32(1.0)
-                        if cutlass.const_expr(cfg.l2norm):
-                            rqn = scale * cute.math.rsqrt(red[base + 1] + f32(1e-6), fastmath=False)
-                            rkn = cute.math.rsqrt(red[base + 2] + f32(1e-6), fastmath=False)
-                        kqn = red[base] * rkn
-                        ru = cute.make_rmem_tensor((4,), f32)
-                        if cutlass.const_expr(KDA):
-                            if cutlass.const_expr(cfg.beta_sigmoid):
-                                bt = sigmoid(bt)
-                                if cutlass.const_expr(cfg.neg_eigval):
-                                    bt = bt * f32(2.0)
-                            for jj in cutlass.range_constexpr(4):
-                                ru[jj] = bt * (vf[jj] - rkn * red[4 + jj])
-                        else:
-                            for jj in cutlass.range_constexpr(4):
-                                ru[jj] = vf[jj]
-                        for jj in cutlass.range_constexpr(4):
-                            ro4[jj] = (rqn * (red[jj] + kqn * ru[jj])).to(mO.element_type)
-                        for i in cutlass.range_constexpr(8):
-                            ki = kf[i] * rkn
-                            for jj in cutlass.range_constexpr(4):
-                                _sset(rS, VF, i, jj, _sget(rS, VF, i, jj) + ki * ru[jj])
-                        if wr:
-                            cute.autovec_copy(ro4, _vvec(mO[b, bos + t, hv, None], vc))
-                        # ---- per-token state write into the pool (FLA continuous batching) ----
-                        if cutlass.const_expr(POOL != 0):
-                            ws = Int64(-1)
-                            if cutlass.const_expr(POOL == 1):
-                                j = n + t
-                                if j < mIdx.shape[0]:
-                                    ws = Int64(mIdx[j])
-                            else:
-                                if t < mIdx.shape[1]:
-                                    ws = Int64(mIdx[n, t])
-                            if ws >= 0 and ws < Int64(mH0.shape[0]):
-                                if cutlass.const_expr(KVSMEM):
-                                    _kvs_store(rS, sKV, mH0[ws, hv, None, None], vb, tidx, kl, vc - vb * (BV // 4), f32)
+                            gi = gf[i]
+                            if cutlass.const_expr(cfg.gate_in_kernel):
+                                gi = gi + rbias[i]
+                                if cutlass.const_expr(cfg.has_lower_bound):
+                                    gi = lower_bound * sigmoid(aexp * gi)
                                 else:
-                                    cute.autovec_copy(rS, _state_view(VF, KVROW, mH0[ws, hv, None, None], vc, kl))
-
-                    if cutlass.const_expr(POOL == 0 and cfg.has_ht):
-                        if cutlass.const_expr(KVSMEM):
-                            _kvs_store(rS, sKV, mHt[n, hv, None, None], vb, tidx, kl, vc - vb * (BV // 4), f32)
-                        else:
-                            cute.autovec_copy(rS, _state_view(VF, KVROW, mHt[n, hv, None, None], vc, kl))
-                else:
-                    # padding / empty sequence: touch no state; zero its output rows
-                    if cutlass.const_expr(POOL != 0):
+                                    sp = gi
+                                    if gi <= f32(20.0):  # FLA's softplus threshold
+                                        sp = cute.math.log2(f32(1.0) + fexp(gi), fastmath=True) * LN2
+                                    gi = -aexp * sp
+                            rdec[i] = fexp(gi)
+                        for i in cutlass.range_constexpr(8):
+                            for jj in cutlass.range_constexpr(4):
+                                _sset(rS, VF, i, jj, _sget(rS, VF, i, jj) * rdec[i])
+                    else:
+                        for i in cutlass.range_constexpr(8):
+                            for jj in cutlass.range_constexpr(4):
+                                _sset(rS, VF, i, jj, _sget(rS, VF, i, jj) * gam)
+                    # ---- one batched reduction over K (16 lanes hold all of K) ----
+                    NR = 4 + (4 if KDA else 0) + 1 + (2 if cfg.l2norm else 0)
+                    red = cute.make_rmem_tensor((NR,), f32)
+                    for jj in cutlass.range_constexpr(4):
+                        aq = f32(0.0)
+                        for i in cutlass.range_constexpr(8):
+                            aq = aq + _sget(rS, VF, i, jj) * qf[i]
+                        red[jj] = aq
+                        if cutlass.const_expr(KDA):
+                            ak = f32(0.0)
+                            for i in cutlass.range_constexpr(8):
+                                ak = ak + _sget(rS, VF, i, jj) * kf[i]
+                            red[4 + jj] = ak
+                    base = 8 if KDA else 4
+                    kq = f32(0.0)
+                    for i in cutlass.range_constexpr(8):
+                        kq = kq + kf[i] * qf[i]
+                    red[base] = kq
+                    if cutlass.const_expr(cfg.l2norm):
+                        qq = f32(0.0)
+                        kk = f32(0.0)
+                        for i in cutlass.range_constexpr(8):
+                            qq = qq + qf[i] * qf[i]
+                            kk = kk + kf[i] * kf[i]
+                        red[base + 1] = qq
+                        red[base + 2] = kk
+                    if cutlass.const_expr(KVROW):
+                        # over the 4 row-lanes of a warp, then over the 4 warps through shared memory
+                        # (double-buffered by token parity: one barrier per token is enough)
+                        for sh in cutlass.range_constexpr(2):
+                            for r in cutlass.range_constexpr(NR):
+                                red[r] = red[r] + cute.arch.shuffle_sync_bfly(red[r], offset=8 << sh)
+                        par = t % 2
+                        if lane < 8:
+                            for r in cutlass.range_constexpr(NR):
+                                sRed[par, warp, lane, r] = red[r]
+                        cute.arch.barrier()
+                        for r in cutlass.range_constexpr(NR):
+                            acc = f32(0.0)
+                            for w in cutlass.range_constexpr(4):
+                                acc = acc + sRed[par, w, lane % 8, r]
+                            red[r] = acc
+                    else:
+                        for sh in cutlass.range_constexpr(4):
+                            for r in cutlass.range_constexpr(NR):
+                                red[r] = red[r] + cute.arch.shuffle_sync_bfly(red[r], offset=1 << sh)
+                    # ---- token update: u = beta (v - S'^T k);  o = S'^T q + (k.q) u;  S += k u^T ----
+                    rqn = scale
+                    rkn = f32(1.0)
+                    if cutlass.const_expr(cfg.l2norm):
+                        rqn = scale * cute.math.rsqrt(red[base + 1] + f32(1e-6), fastmath=False)
+                        rkn = cute.math.rsqrt(red[base + 2] + f32(1e-6), fastmath=False)
+                    kqn = red[base] * rkn
+                    ru = cute.make_rmem_tensor((4,), f32)
+                    if cutlass.const_expr(KDA):
+                        if cutlass.const_expr(cfg.beta_sigmoid):
+                            bt = sigmoid(bt)
+                            if cutlass.const_expr(cfg.neg_eigval):
+                                bt = bt * f32(2.0)
                         for jj in cutlass.range_constexpr(4):
-                            ro4[jj] = f32(0.0).to(mO.element_type)
-                        if wr:
-                            for t in cutlass.range(Tn, unroll=1):
-                                cute.autovec_copy(ro4, _vvec(mO[b, bos + t, hv, None], vc))
-                it = it + 1
+                            ru[jj] = bt * (vf[jj] - rkn * red[4 + jj])
+                    else:
+                        for jj in cutlass.range_constexpr(4):
+                            ru[jj] = vf[jj]
+                    for jj in cutlass.range_constexpr(4):
+                        ro4[jj] = (rqn * (red[jj] + kqn * ru[jj])).to(mO.element_type)
+                    for i in cutlass.range_constexpr(8):
+                        ki = kf[i] * rkn
+                        for jj in cutlass.range_constexpr(4):
+                            _sset(rS, VF, i, jj, _sget(rS, VF, i, jj) + ki * ru[jj])
+                    if wr:
+                        cute.autovec_copy(ro4, _vvec(mO[b, bos + t, hv, None], vc))
+                    # ---- per-token state write into the pool (FLA continuous batching) ----
+                    if cutlass.const_expr(POOL != 0):
+                        ws = Int64(-1)
+                        if cutlass.const_expr(POOL == 1):
+                            j = n + t
+                            if j < mIdx.shape[0]:
+                                ws = Int64(mIdx[j])
+                        else:
+                            if t < mIdx.shape[1]:
+                                ws = Int64(mIdx[n, t])
+                        if ws >= 0 and ws < Int64(mH0.shape[0]):
+                            if cutlass.const_expr(KVSMEM):
+                                _kvs_store(rS, sKV, mH0[ws, hv, None, None], vb, tidx, kl, vc - vb * (BV // 4), f32)
+                            else:
+                                cute.autovec_copy(rS, _state_view(VF, KVROW, mH0[ws, hv, None, None], vc, kl))
+
+                if cutlass.const_expr(POOL == 0 and cfg.has_ht):
+                    if cutlass.const_expr(KVSMEM):
+                        _kvs_store(rS, sKV, mHt[n, hv, None, None], vb, tidx, kl, vc - vb * (BV // 4), f32)
+                    else:
+                        cute.autovec_copy(rS, _state_view(VF, KVROW, mHt[n, hv, None, None], vc, kl))
+            else:
+                # padding / empty sequence: touch no state; zero its output rows
+                if cutlass.const_expr(POOL != 0):
+                    for jj in cutlass.range_constexpr(4):
+                        ro4[jj] = f32(0.0).to(mO.element_type)
+                    if wr:
+                        for t in cutlass.range(Tn, unroll=1):
+                            cute.autovec_copy(ro4, _vvec(mO[b, bos + t, hv, None], vc))
 
         @cute.jit
         def launch(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
                    mBeta: cute.Tensor, mA: cute.Tensor, mBias: cute.Tensor, mH0: cute.Tensor,
                    mHt: cute.Tensor, mO: cute.Tensor, mCu: cute.Tensor, mIdx: cute.Tensor,
-                   mNa: cute.Tensor, scale: f32, lower_bound: f32, max_ctas: Int32, stream):
+                   mNa: cute.Tensor, scale: f32, lower_bound: f32, stream):
             if cutlass.const_expr(cfg.varlen):
                 nseq = mCu.shape[0] - 1
             else:
                 nseq = mQ.shape[0]
             k = kernel(mQ, mK, mV, mG, mBeta, mA, mBias, mH0, mHt, mO, mCu, mIdx, mNa, scale, lower_bound)
-            if cutlass.const_expr(STAGES == 0):
-                # a CTA per tile; no shared memory (kv_rows, kv_smem aside): the whole carveout as L1
-                # kv_smem: 4 CTAs/SM asked of ptxas (<= 128 registers; the pool path needs 168 uncapped,
-                # 0 spills capped: sm_90a, 2026-12-02)
-                k.launch(grid=[NVB, mV.shape[2], nseq], block=[NTHR, 1, 1], stream=stream,
-                         min_blocks_per_mp=(cfg.min_ctas or 4) if KVSMEM else cfg.min_ctas,
-                         preferred_smem_carveout=40 if KVSMEM else 0)
-            else:
-                # persistent: max_ctas = SMs x ctas_per_sm (host), never more CTAs than tiles
-                ntiles = NVB * mV.shape[2] * nseq
-                k.launch(grid=[cutlass.max(cutlass.min(ntiles, max_ctas), 1), 1, 1], block=[NTHR, 1, 1],
-                         stream=stream, min_blocks_per_mp=cfg.ctas_per_sm, preferred_smem_carveout=100)
+            # a CTA per tile; no shared memory (kv_rows, kv_smem aside): the whole carveout as L1
+            # kv_smem: 4 CTAs/SM asked of ptxas (<= 128 registers; the pool path needs 168 uncapped,
+            # 0 spills capped: sm_90a, 2026-12-02)
+            k.launch(grid=[NVB, mV.shape[2], nseq], block=[NTHR, 1, 1], stream=stream,
+                     min_blocks_per_mp=(cfg.min_ctas or 4) if KVSMEM else cfg.min_ctas,
+                     preferred_smem_carveout=40 if KVSMEM else 0)
 
         return launch
 
@@ -692,7 +604,7 @@ class RecurrentDecode:
         if c.pool and c.spec:
             na = _rm(dt[c.na_dtype], (cute.sym_int32(),))
         return (q, k, v, g, beta, A, dt_bias, h0, ht, o, cu, idx, na,
-                Float32(1.0), Float32(-1.0), Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True))
+                Float32(1.0), Float32(-1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
 
     def expect_ptx(self):
         """What the PTX must hold: 16-byte state loads (when a state is read) and stores, the
@@ -700,7 +612,7 @@ class RecurrentDecode:
         c = self.cfg
         e = [r"st\.global\.v4\.b32", r"shfl\.sync\.bfly", r"ex2\.approx"]
         if c.has_h0:
-            async_state = c.stages or (c.kv_smem and not c.state_v_first)
+            async_state = c.kv_smem and not c.state_v_first
             e.append(r"cp\.async\.cg\.shared\.global.*16" if async_state else r"ld\.global\.v4\.b32")
         if c.l2norm:
             e.append(r"rsqrt")
@@ -735,14 +647,12 @@ def set_tuning(**knobs) -> None:
 
 
 def get_kernel(cfg: DecodeConfig):
-    """(compiled TVM-FFI callable, CTAs per SM of a persistent launch or 0) for a config; process
-    cache in front of fla_cula.jit. The host passes SMs x that count as the `max_ctas` argument."""
+    """The compiled TVM-FFI callable for a config; process cache in front of fla_cula.jit."""
     if TUNING:
         cfg = dataclasses.replace(cfg, **TUNING)
     ent = _fn_cache.get(cfg)
     if ent is None:
-        ent = (get_compiled(RecurrentDecode(cfg).spec()), cfg.ctas_per_sm if cfg.stages else 0)
-        _fn_cache[cfg] = ent
+        ent = _fn_cache[cfg] = get_compiled(RecurrentDecode(cfg).spec())
     return ent
 
 
@@ -759,19 +669,16 @@ def representative_configs() -> list:
                      pool=1, has_ht=False, idx_dtype="int64"))
         # fixed batch, precomputed gate, fp32 beta, final state
         out.append(C(mode="kda", state_v_first=vf, g_dtype="float32", beta_dtype="float32"))
-        # lightning: fixed and varlen
-        out.append(C(mode="lightning", state_v_first=vf, g_dtype="float32", beta_dtype="float32"))
+        # lightning: fixed and varlen ([K,V]: the host always picks kv_rows)
         out.append(C(mode="lightning", state_v_first=vf, g_dtype="float32", beta_dtype="float32",
-                     varlen=True, cu_dtype="int64", has_h0=False))
-    # the row-coalesced [K,V] candidate (kv_rows): KDA serving flags with a pool, and lightning
+                     kv_rows=not vf))
+        out.append(C(mode="lightning", state_v_first=vf, g_dtype="float32", beta_dtype="float32",
+                     varlen=True, cu_dtype="int64", has_h0=False, kv_rows=not vf))
+    # one-token KDA steps on [K,V] (kv_rows, the host's choice at T=1): serving flags with a pool,
+    # and a fixed batch with a final state
     out.append(C(mode="kda", l2norm=True, gate_in_kernel=True, has_A=True, has_bias=True, has_lower_bound=True,
                  beta_sigmoid=True, pool=2, spec=True, has_ht=False, varlen=True, kv_rows=True))
-    out.append(C(mode="lightning", g_dtype="float32", beta_dtype="float32", kv_rows=True))
-    # the persistent cp.async pipeline candidate (stages): KDA serving flags in both layouts, lightning
-    for vf in (False, True):
-        out.append(C(mode="kda", state_v_first=vf, l2norm=True, gate_in_kernel=True, has_A=True, has_bias=True,
-                     beta_sigmoid=True, pool=2, spec=True, has_ht=False, varlen=True, stages=3))
-    out.append(C(mode="lightning", g_dtype="float32", beta_dtype="float32", stages=3))
+    out.append(C(mode="kda", g_dtype="float32", beta_dtype="float32", kv_rows=True))
     # the [K,V] shared-memory transpose candidate (kv_smem): KDA with a pool (per-token writes), lightning
     out.append(C(mode="kda", l2norm=True, gate_in_kernel=True, has_A=True, has_bias=True, has_lower_bound=True,
                  beta_sigmoid=True, pool=2, spec=True, has_ht=False, varlen=True, kv_smem=True))

@@ -263,33 +263,26 @@ def test_lightning_no_initial_state():
 
 # ---------------------------------------------------------------------------------------------
 # Tuning candidates (DecodeConfig knobs the H200 sweep, benchmarks/variants.py, chooses between):
-# the row-coalesced [K,V] mappings (kv_rows, kv_smem), narrower / wider CTAs, persistent CTAs with a
-# cp.async state pipeline (stages), and the L2 prefetch of a multi-token step's tokens (l2_prefetch).
-# The same checks as above, knob on, so whichever the sweep picks as a default is already tested.
-# Persistent variants run with the grid capped at 2 SMs' worth of CTAs, so that every test walks
-# many tiles per CTA through the pipeline (wrap-around of the stages, inactive and padding tiles
-# between active ones); test_tuned_full_grid runs the real grid.
-TUNINGS = {"kv_rows": {"kv_rows": True, "stages": 0}, "bv16": {"bv": 16}, "bv64": {"bv": 64},
-           "stages2": {"stages": 2}, "stages3": {"stages": 3}, "kv_smem": {"kv_smem": True},
+# the [K,V] mappings forced on every call (v2 where the host picks kv_rows, kv_rows where it picks v2,
+# the kv_smem shared-tile candidate), narrower / wider CTAs, and the L2 prefetch of a multi-token
+# step's tokens (l2_prefetch). The same checks as above, knob on, so whichever the sweep picks as a
+# default is already tested.
+TUNINGS = {"v2": {"kv_rows": False}, "kv_rows": {"kv_rows": True}, "bv16": {"bv": 16, "kv_rows": False},
+           "bv64": {"bv": 64, "kv_rows": False}, "kv_smem": {"kv_smem": True, "kv_rows": False},
            "l2_prefetch": {"l2_prefetch": True}}
 
 
 @pytest.fixture(params=list(TUNINGS))
 def tuned(request):
-    from fla_cula.kernels import _host, recurrent_decode
+    from fla_cula.kernels import recurrent_decode
     knobs = TUNINGS[request.param]
     recurrent_decode.set_tuning(**knobs)
-    sms = dict(_host._SMS)
-    if knobs.get("stages"):
-        _host._SMS[torch.cuda.current_device()] = 2
     try:
         yield knobs
         ran = [c for c in recurrent_decode._fn_cache if all(getattr(c, k) == x for k, x in knobs.items())]
         assert ran, f"no kernel with {knobs} ran"
     finally:
         recurrent_decode.set_tuning()
-        _host._SMS.clear()
-        _host._SMS.update(sms)
 
 
 @pytest.mark.parametrize("T", [1, 4])
@@ -322,13 +315,13 @@ def test_tuned_kda_varlen_empty(tuned, with_h0):
     test_kda_varlen_empty_and_single(False, with_h0)
 
 
-@pytest.mark.parametrize("knobs", [{"stages": 2}, {"stages": 3}, {"kv_smem": True}],
-                         ids=["stages2", "stages3", "kv_smem"])
+@pytest.mark.parametrize("knobs", [{"kv_rows": True}, {"kv_rows": False}, {"kv_smem": True, "kv_rows": False}],
+                         ids=["kv_rows", "v2", "kv_smem"])
 @pytest.mark.parametrize("vf", [False, True], ids=["kv", "vk"])
 def test_tuned_full_grid(knobs, vf):
-    """Candidates at their real grid on a serving-size step (persistent launches: SMs x ctas_per_sm
-    CTAs): 48 sequences x 32 heads x 4 column blocks = 6144 tiles, 2-D pool indices with speculative
-    reads, padding sequences and skipped writes; untouched pool slots stay bit-identical."""
+    """Each [K,V] mapping on a serving-size step: 48 sequences x 32 heads x 4 column blocks = 6144
+    CTAs (several waves), 2-D pool indices with speculative reads, padding sequences and skipped
+    writes; untouched pool slots stay bit-identical."""
     from fla_cula.kernels import recurrent_decode
     from fla_cula.ops.kda import fused_recurrent_kda_fwd
     from fla_cula.reference import kda_decode_pool
