@@ -51,6 +51,7 @@ def main(steps: int = 8) -> int:
     prompt = ids[:, :32]
 
     def step():
+        model.train()  # FLA's KDA layer: chunk_kda in train mode, fused_recurrent_kda decode in eval mode
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -58,6 +59,7 @@ def main(steps: int = 8) -> int:
         out.loss.backward()
         torch.cuda.synchronize()
         t1 = time.perf_counter()
+        model.eval()
         with torch.inference_mode():
             gen = model.generate(prompt, max_new_tokens=steps, do_sample=False, use_cache=True)
         torch.cuda.synchronize()

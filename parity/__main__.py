@@ -87,8 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         if rec.get("fatal"):
             print(f"parity: CUDA error (sticky) in {rec['id']}", flush=True)
             fatal = True
-        if done % 5 == 0:  # a partial report survives a crash
-            report.write([by_index[j] for j in sorted(by_index)], header, args.out, args.tag)
+        if done % 5 == 0:  # a partial report survives a crash or a kill at a time limit, and says so
+            partial = dict(header, INCOMPLETE=f"partial report written during the run: {done} of {len(cases)} "
+                                              "cases had finished (the run did not reach its end)")
+            report.write([by_index[j] for j in sorted(by_index)], partial, args.out, args.tag)
     records = [by_index[j] for j in sorted(by_index)]  # grid order, whatever the completion order
     for op in dict.fromkeys(c.op for c in cases):
         secs = sum(r["seconds"] for r in records if r["op"] == op)

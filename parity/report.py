@@ -76,6 +76,8 @@ def markdown(records: list[dict], header: dict, summary: dict, title: str) -> st
     L.append("")
     L.append("## Summary")
     L.append("")
+    if header.get("INCOMPLETE"):
+        L.append(f"- **INCOMPLETE**: {header['INCOMPLETE']}")
     L.append(f"- cases: **{summary['cases']}**, passed **{summary['passed']}**, failed **{summary['failed']}**, "
              f"FLA defects reproduced on a fallback route **{summary.get('fla_defects', 0)}**")
     L.append(f"- kernel-routed: **{summary['kernel_routed']}**; fallbacks to FLA: "

@@ -332,8 +332,11 @@ def compare(case: Case, x: dict, ref: dict, cula: dict, fla: dict | None) -> dic
         errs[name] = {"cula": e_c, "fla": e_f, "abs_cula": a_c, "maxdiff": d}
         ok &= good
         if not good:
-            # NaN where FLA (same inputs, same poisoned allocations) has NaN in exactly the same places
-            same_nan = has_nan and f is not None and f.shape == c.shape and torch.equal(torch.isnan(c), torch.isnan(f))
+            # NaN where FLA (same inputs, same poisoned allocations) has NaN in exactly the same places,
+            # and every other element equal to FLA's bit for bit
+            nan_c = torch.isnan(c)
+            same_nan = (has_nan and f is not None and f.shape == c.shape and torch.equal(nan_c, torch.isnan(f))
+                        and torch.equal(c[~nan_c], f[~nan_c]))
             bad.append((name, same_nan))
         if note:
             notes.append(note)

@@ -234,6 +234,15 @@ def test_runner_fla_defect_only_on_a_faithful_fallback():
     assert rec["status"] == "FAIL"
     rec = run_case(case, {case.op: fallback}, FAKES, torch.device("cpu"), run_seed=1)  # FLA has no NaN there
     assert rec["status"] == "FAIL"
+
+    def fallback_off(*a, **k):  # FLA's NaN in the same place, but another element differs from FLA's
+        o, s = fallback(*a, **k)
+        s = s.clone()
+        s[0, 0, 1] += 1.0
+        return o, s
+
+    rec = run_case(case, {case.op: fallback_off}, fla, torch.device("cpu"), run_seed=1)
+    assert rec["status"] == "FAIL"
     s = preport.summarize([dict(rec, status="FLA-defect"), rec])
     assert s["failed"] == 1 and s["fla_defects"] == 1 and s["passed"] == 0
 
@@ -367,3 +376,13 @@ def test_parity_schedule_pilots_then_followers():
     assert first.op.startswith("chunk") and first.grad
     chunk = [cases[p].op.startswith("chunk") for p in pilots]
     assert chunk == sorted(chunk, reverse=True)  # every chunk-op pilot before any recurrent one
+
+
+def test_parity_report_says_incomplete_first(tmp_path):
+    """A report of an unfinished run (partial write, or cases not run) says so at the top of its summary."""
+    rec = {"id": "a", "op": "chunk_kda", "route": "fallback: no kernel for this op yet", "fla": "ok", "status": "pass",
+           "errors": {"o": {"cula": 1e-3, "fla": 1e-3}}, "notes": [], "max_abs_cula_minus_fla": 0.0}
+    md, _ = preport.write([rec], {"gpu": "x", "INCOMPLETE": "partial report: 1 of 9 cases"}, str(tmp_path))
+    text = open(md).read()
+    summary = text.split("## Summary")[1]
+    assert summary.lstrip().startswith("- **INCOMPLETE**: partial report: 1 of 9 cases")

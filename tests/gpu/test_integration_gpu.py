@@ -64,8 +64,11 @@ def test_patched_model_training_step_identical_to_fla():
 
 
 def test_patched_model_generation_matches_fla():
-    """Greedy generation goes through fused_recurrent_kda (decode); the tokens must equal FLA's."""
+    """Greedy generation goes through fused_recurrent_kda (decode); the tokens must equal FLA's.
+    FLA's KDA layer decodes with fused_recurrent only in eval mode (in train mode it runs chunk_kda
+    even for one token), so the model is put in eval mode, as serving code does."""
     model, cfg = _model()
+    model.eval()
     prompt = torch.randint(0, cfg.vocab_size, (2, 16), device="cuda")
     with torch.inference_mode():
         gen_a = model.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=True)

@@ -32,8 +32,11 @@ def _run(case, cula_fns, fla_fns, seed=None):
     return rec
 
 
-def _assert_pass(rec):
-    assert rec["status"] == "pass", f"{rec['id']}: {rec.get('notes')} route={rec.get('route')} errors={rec['errors']}"
+def _assert_pass(rec, fla_defect_ok=False):
+    """parity's verdict is pass - or, where allowed, FLA-defect: a fallback whose only failures are
+    FLA's own NaN, reproduced bit for bit (FLA 0.6.0's chunk_lightning_attn final state at T=100)."""
+    ok = ("pass", "FLA-defect") if fla_defect_ok else ("pass",)
+    assert rec["status"] in ok, f"{rec['id']}: {rec.get('notes')} route={rec.get('route')} errors={rec['errors']}"
 
 
 def _assert_fallback_matches_fla(rec):
@@ -41,6 +44,8 @@ def _assert_fallback_matches_fla(rec):
     if rec["fla"] != "ok":
         return
     for name, e in rec["errors"].items():
+        if e.get("maxdiff") is None and rec["status"] == "FLA-defect":
+            continue  # FLA's NaN: the runner checked NaN positions and every other element bit for bit
         if name in ("o", "ht", "pool"):
             assert e["maxdiff"] == 0, f"{rec['id']}: {name} differs from FLA by {e['maxdiff']} on a fallback"
         else:  # gradients: FLA's backward may reduce with atomics; require the same error level
@@ -77,7 +82,7 @@ DECODE_CASES = [
 @pytest.mark.parametrize("case", CHUNK_CASES, ids=lambda c: c.id)
 def test_chunk_ops_fall_back_honestly_and_match_fla(case, cula_fns, fla_fns):
     rec = _run(case, cula_fns, fla_fns)
-    _assert_pass(rec)
+    _assert_pass(rec, fla_defect_ok=True)
     if rec["route"] != "kernel":
         _assert_fallback_matches_fla(rec)
 
