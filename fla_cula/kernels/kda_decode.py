@@ -123,9 +123,10 @@ def check(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_s
 
 
 def use_kv_rows(q, cu_seqlens, state_v_first) -> bool:
-    """[K,V] state: the row-coalesced mapping (kv_rows) wins a one-token step, v2 a multi-token one
-    (kv_rows' per-token shared-memory exchange sits on the serial token chain); measured in
-    docs/decode_kernels.md. Varlen: at most one token per sequence on average. Shapes only."""
+    """[K,V] state: kv_rows for a one-token step, v2 for a multi-token one - session 2's sweep
+    (kv_rows' per-token exchange cost +6% at T=4). Session 3 measured kv_rows ahead at T=4 as well
+    once the tile loop was gone (docs/decode_kernels.md): this split goes when that path's tests
+    have run. Varlen: at most one token per sequence on average. Shapes only."""
     if state_v_first:
         return False
     return q.shape[1] == 1 if cu_seqlens is None else q.shape[1] <= cu_seqlens.shape[0] - 1
