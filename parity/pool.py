@@ -4,10 +4,10 @@ FLA's Triton kernels compile and autotune for minutes on a fresh machine, one ke
 process; N processes compile N at once (the CPU has the cores), as long as they compile different
 kernels: the cases are grouped by what FLA compiles for them, and one pilot per group runs before
 the rest of its group (see _schedule). Each worker holds its own CUDA context, takes the next case
-and returns its record. A worker whose CUDA context is
-broken (a sticky error) runs no more cases; a worker that dies ends the run (the parent reports
-the cases that did not run). Autotuning under contention may pick slower FLA configurations: that
-changes FLA's speed, never a result, so gpu_check gives parity its own Triton cache.
+and returns its record. A worker whose CUDA context is broken (a sticky error) runs no more cases;
+a worker that dies ends the run (the parent reports the cases that did not run). Autotuning under
+contention may pick slower FLA configurations: that changes FLA's speed, never a result, so
+gpu_check gives parity its own Triton cache.
 """
 
 from __future__ import annotations

@@ -315,11 +315,11 @@ def test_tuned_kda_varlen_empty(tuned, with_h0):
     test_kda_varlen_empty_and_single(False, with_h0)
 
 
-@pytest.mark.parametrize("knobs", [{"kv_rows": True}, {"kv_rows": False}, {"kv_smem": True, "kv_rows": False}],
-                         ids=["kv_rows", "v2", "kv_smem"])
-@pytest.mark.parametrize("vf", [False, True], ids=["kv", "vk"])
-def test_tuned_full_grid(knobs, vf):
-    """Each [K,V] mapping on a serving-size step: 48 sequences x 32 heads x 4 column blocks = 6144
+@pytest.mark.parametrize("vf,knobs", [(False, {"kv_rows": True}), (False, {"kv_rows": False}),
+                                      (False, {"kv_smem": True, "kv_rows": False}), (True, {"state_v_first": True})],
+                         ids=["kv-kv_rows", "kv-v2", "kv-kv_smem", "vk"])  # [V,K] has one mapping
+def test_tuned_full_grid(vf, knobs):
+    """Each state mapping on a serving-size step: 48 sequences x 32 heads x 4 column blocks = 6144
     CTAs (several waves), 2-D pool indices with speculative reads, padding sequences and skipped
     writes; untouched pool slots stay bit-identical."""
     from fla_cula.kernels import recurrent_decode
