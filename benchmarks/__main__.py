@@ -64,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     print(f"benchmarks: {len(plan)} shapes on {header['gpu']}; measuring ceilings", flush=True)
     ceilings = measure_ceilings()
-    print(f"  copy {ceilings['copy_bw'] / 1e12:.2f} TB/s, bf16 matmul {ceilings['matmul_rate'] / 1e12:.0f} TFLOP/s",
-          flush=True)
+    print(f"  copy {ceilings['copy_bw'] / 1e12:.2f} TB/s, bf16 matmul {ceilings['matmul_rate'] / 1e12:.0f} TFLOP/s, "
+          f"launch floor {1e3 * ceilings['launch_floor_graph_ms']:.1f} / "
+          f"{1e3 * ceilings['launch_floor_graph_warm_ms']:.1f} µs (graph / graph_warm)", flush=True)
 
     records: list[dict] = []
     for b, s, modes in plan:

@@ -60,16 +60,27 @@ def _replay_warm_ms(g, batches: int = 20, inner: int = 25) -> float:
     return statistics.median(times)
 
 
+def _launch_floor_ms() -> tuple[float, float]:
+    """A graph of one 1-element kernel, timed as the decode rows are (flushed, warm): the part of a
+    small-batch row that no kernel can remove (graph launch, kernel launch, event timing)."""
+    x = torch.zeros(1, device="cuda")
+    g = capture_graph(lambda: x.add_(1.0))
+    return _do_bench(g.replay), _replay_warm_ms(g)
+
+
 def measure_ceilings() -> dict[str, float]:
-    """Device-to-device copy bandwidth (bytes read + written per second) and bf16 matmul flop/s."""
+    """Device-to-device copy bandwidth (bytes read + written per second), bf16 matmul flop/s, and
+    the launch floor of a one-kernel graph replay (with and without the L2 flush)."""
     n = 1 << 28  # 1 GiB of float32
     ms = _copy_ms(n)
     copy_bw = 2 * n * 4 / (ms * 1e-3)
     m = 8192
     ms_mm = _matmul_ms(m)
     rate = 2 * m ** 3 / (ms_mm * 1e-3)
+    floor_flushed, floor_warm = _launch_floor_ms()
     torch.cuda.empty_cache()
-    return {"copy_bw": copy_bw, "matmul_rate": rate, "copy_ms_1GiB": ms, "matmul_ms_8192": ms_mm}
+    return {"copy_bw": copy_bw, "matmul_rate": rate, "copy_ms_1GiB": ms, "matmul_ms_8192": ms_mm,
+            "launch_floor_graph_ms": floor_flushed, "launch_floor_graph_warm_ms": floor_warm}
 
 
 def peak_bytes(fn) -> int:

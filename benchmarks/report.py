@@ -75,6 +75,10 @@ def markdown(records: list[dict], header: dict, ceilings: dict, benches_meta: di
         L.append(f"- measured copy bandwidth (read + write, 1 GiB device-to-device): "
                  f"**{ceilings['copy_bw'] / 1e12:.2f} TB/s**")
         L.append(f"- measured bf16 matmul (8192^3): **{ceilings['matmul_rate'] / 1e12:.0f} TFLOP/s**")
+        if "launch_floor_graph_ms" in ceilings:
+            L.append(f"- launch floor (a graph of one 1-element kernel): graph "
+                     f"**{1e3 * ceilings['launch_floor_graph_ms']:.1f} µs**, graph_warm "
+                     f"**{1e3 * ceilings['launch_floor_graph_warm_ms']:.1f} µs** (no kernel's row can go below it)")
     L.append("")
     L.append("## How to read")
     L.append("")

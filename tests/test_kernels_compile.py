@@ -18,7 +18,7 @@ CFGS = representative_configs()
 
 def _id(c):
     layout = "vk" if c.state_v_first else "kv"
-    tune = "-kvrows" if c.kv_rows else ""
+    tune = ("" if c.kv_rows or c.state_v_first else "-v2") + ("" if c.l2_prefetch else "-nol2pf")
     return f"{c.mode}-{layout}-pool{c.pool}-varlen{int(c.varlen)}-gate{int(c.gate_in_kernel)}{tune}"
 
 
@@ -43,16 +43,16 @@ def test_config_key_has_no_sizes():
         assert size not in keys
 
 
-def test_kv_rows_choice():
-    """The host's [K,V] mapping: kv_rows for one-token steps, v2 for multi-token ones, never for [V,K]."""
-    q1, q4 = torch.empty(8, 1, 4, 128, device="meta"), torch.empty(8, 4, 4, 128, device="meta")
-    cu = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
-    assert kda_decode.use_kv_rows(q1, None, False) and not kda_decode.use_kv_rows(q1, None, True)
-    assert not kda_decode.use_kv_rows(q4, None, False)
-    qv = torch.empty(1, 3, 4, 128, device="meta")   # varlen: 3 tokens
-    assert kda_decode.use_kv_rows(qv, cu(0, 1, 2, 3), False)       # 3 sequences x 1 token
-    assert kda_decode.use_kv_rows(qv, cu(0, 0, 1, 3, 3), False)     # 4 sequences, two empty
-    assert not kda_decode.use_kv_rows(qv, cu(0, 3), False)          # 1 sequence x 3 tokens
+def test_default_mapping_per_layout():
+    """kv_rows (and the L2 prefetch) by default; kv_rows names a [K,V] mapping, so a [V,K] config
+    never carries it in its compile key, whatever the caller or a tuning asks."""
+    assert DecodeConfig().kv_rows and DecodeConfig().l2_prefetch
+    assert not DecodeConfig(state_v_first=True).kv_rows
+    assert DecodeConfig(state_v_first=True, kv_rows=True) == DecodeConfig(state_v_first=True)
+    with pytest.raises(ValueError, match="bv must be 32"):
+        RecurrentDecode(DecodeConfig(bv=16))
+    RecurrentDecode(DecodeConfig(bv=16, kv_rows=False))
+    RecurrentDecode(DecodeConfig(bv=16, state_v_first=True))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -122,16 +122,6 @@ def check(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_s
     return None
 
 
-def use_kv_rows(q, cu_seqlens, state_v_first) -> bool:
-    """[K,V] state: kv_rows for a one-token step, v2 for a multi-token one - session 2's sweep
-    (kv_rows' per-token exchange cost +6% at T=4). Session 3 measured kv_rows ahead at T=4 as well
-    once the tile loop was gone (docs/decode_kernels.md): this split goes when that path's tests
-    have run. Varlen: at most one token per sequence on average. Shapes only."""
-    if state_v_first:
-        return False
-    return q.shape[1] == 1 if cu_seqlens is None else q.shape[1] <= cu_seqlens.shape[0] - 1
-
-
 _cfg_cache: dict = {}
 
 
@@ -156,7 +146,6 @@ def run(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_sta
         final = q.new_empty((N, HV, 128, 128), dtype=torch.float32)
     has_ht = (not pool) and final is not None
     sig = bool(use_beta_sigmoid_in_kernel)
-    rows = use_kv_rows(q, cu_seqlens, state_v_first)
     key = (q.dtype, v.dtype, g.dtype, beta.dtype, out.dtype, bool(state_v_first),
            initial_state is not None, has_ht,
            None if cu_seqlens is None else cu_seqlens.dtype,
@@ -164,7 +153,7 @@ def run(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_sta
            None if not pool else ssm_state_indices.dtype,
            None if (not pool or num_accepted_tokens is None) else num_accepted_tokens.dtype,
            bool(use_qk_l2norm_in_kernel), gate, None if not has_A else A_log.dtype,
-           None if not has_bias else dt_bias.dtype, has_lb, sig, sig and bool(allow_neg_eigval), rows)
+           None if not has_bias else dt_bias.dtype, has_lb, sig, sig and bool(allow_neg_eigval))
     fn = _cfg_cache.get(key)
     if fn is None:
         cfg = DecodeConfig(
@@ -177,7 +166,7 @@ def run(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_sta
             l2norm=key[12], gate_in_kernel=gate, has_A=has_A,
             a_dtype=FLOAT[A_log.dtype] if has_A else "float32", has_bias=has_bias,
             bias_dtype=FLOAT[dt_bias.dtype] if has_bias else "float32",
-            has_lower_bound=has_lb, beta_sigmoid=sig, neg_eigval=key[18], kv_rows=rows)
+            has_lower_bound=has_lb, beta_sigmoid=sig, neg_eigval=key[18])
         fn = _cfg_cache[key] = get_kernel(cfg)
     if has_A and A_log.ndim != 1:
         A_log = A_log.view(-1)

@@ -74,8 +74,7 @@ def run(q, k, v, g_gamma, scale, initial_state, output_final_state, reverse, sta
             v_dtype=FLOAT[v.dtype], g_dtype="float32", beta_dtype="float32",
             o_dtype=FLOAT[q.dtype], has_h0=key[3], has_ht=key[4],
             varlen=cu_seqlens is not None,
-            cu_dtype=INT[cu_seqlens.dtype] if cu_seqlens is not None else "int32",
-            kv_rows=not key[2])  # [K,V]: row-coalesced mapping, faster at T=1 and T=4 (measured)
+            cu_dtype=INT[cu_seqlens.dtype] if cu_seqlens is not None else "int32")
         fn = _cfg_cache[key] = get_kernel(cfg)
     launch(fn, q.device, q, k, v, g_gamma, None, None, None, initial_state, ht, o, cu_seqlens, None, None,
             float(scale), 0.0)

@@ -14,21 +14,23 @@ Static (compile key): mode, K, V, state layout, dtypes, which optional inputs ex
 Symbolic (runtime): batch B, tokens T, heads H/HV, number of sequences N, pool size, pool stride,
 index-table width - a new batch size, step length or pool never recompiles.
 
-Work split: grid (V/BV, HV, N); a CTA owns the K x BV column block of one (n, hv) state
-(BV=32: 4 CTAs per state, so B=1, HV=32 already launches 128 CTAs). Warp w owns 8 value columns;
-lane = kl + 16*vq owns rows k in [8kl, 8kl+8) and columns [8w + 4vq, +4): a 8x4 fp32 fragment
-(32 registers). Reductions over K are 4 butterfly shuffles inside 16 lanes - no shared memory and
-no barrier. Both state layouts use the same ownership; only the vector direction of the 16-byte
-state loads/stores differs ([K,V]: a float4 along V per row; [V,K]: two float4 along K per row).
+Work split: grid (V/BV, HV, N); a CTA (one tile (vb, hv, n)) owns the K x BV column block of one
+(n, hv) state (BV=32: 4 CTAs per state, so B=1, HV=32 already launches 128 CTAs); each thread
+holds an 8 (k) x 4 (v) fp32 fragment (32 registers) in one of two mappings:
+  warp-K ([V,K] state): warp w owns 8 value columns, lane = kl + 16*vq owns 8 rows {4kl..+4} U
+      {64+4kl..+4} and columns [8w + 4vq, +4); reductions over K = 4 butterfly shuffles within 16
+      lanes, no shared memory, no barrier; 16 lanes read 256 contiguous bytes of a [V,K] row.
+  kv_rows ([K,V] state, the default there): lane = vl + 8*kr of warp w owns rows [32w + 8kr, +8)
+      and columns [4vl, +4); 8 lanes cover a CTA's 32 columns, so a warp instruction reads 4 whole
+      128-byte rows; reductions = 2 shuffles + one shared-memory exchange across warps per token.
+      (kv_rows=False runs [K,V] with the warp-K mapping, "v2": 16 rows x 32 bytes per instruction.)
 o and u use the identity o = S'^T q + (k.q) u, so a token needs ONE reduction pass (S'^T k,
 S'^T q, k.q and, with l2norm, |q|^2, |k|^2 all in one batch of shuffles).
 
-A CTA owns one tile (vb, hv, n). DecodeConfig knobs (measured in docs/decode_kernels.md) change
-how the state tile travels: `kv_rows` (row-coalesced [K,V] fragment, one cross-warp reduction per
-token; the host's choice for one-token KDA steps and for lightning), and the candidates `kv_smem`
-([K,V] through a swizzled shared tile with row-coalesced copies) and `l2_prefetch` (L2 prefetch of
-a multi-token step's later tokens). Candidates that lose the sweep are deleted (persistent CTAs
-with a cp.async pipeline, `stages`, lost in session 2 and are gone).
+`l2_prefetch` (on by default) asks L2 for a multi-token step's later tokens right after the state
+stream is issued. Both knobs won the H200 sweeps in docs/decode_kernels.md; candidates that lost
+are deleted (persistent CTAs with a cp.async ring, `stages`; a shared-memory [K,V] transpose,
+`kv_smem`).
 """
 
 import dataclasses
@@ -37,7 +39,6 @@ from dataclasses import dataclass, fields
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
-from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
 from fla_cula.jit import KernelSpec, get_compiled, register_kernel
@@ -100,60 +101,6 @@ def _state_view(VF, KVROW, t2d, vc, kl):
         lay = cute.make_layout(((4, 2), 4), stride=((vv, 64 * vv), 1))
         off = 4 * kl * vv + 4 * vc
     return _al(cute.make_tensor(t2d.iterator + off, lay), 16)
-
-
-# ---- kv_smem: the [K,V] state tile (128 rows x 32 floats) moves between global memory and a
-# shared-memory tile with row-coalesced 16-byte accesses (a warp instruction = 4 whole 128-byte
-# rows), and between the tile and the thread's fragment in the compute mapping. 16-byte chunk c of
-# row r lives at chunk c ^ ((r >> 2) & 7): both the coalesced pass (8 lanes = one row's 8 chunks) and
-# the fragment reads (8 lanes = rows 4kl.., one column group) hit 8 distinct bank groups.
-def _vec4_layouts():
-    """One 16-byte vector of 4 floats: plain, or shaped ((4 values), 1) for a cp.async atom."""
-    return cute.make_layout((4,), stride=(1,)), cute.make_layout(((4,), 1), stride=((1,), 0))
-
-
-def _kvs_row_chunk(t2d, vb, tidx, i, atom_shape):
-    """Global 16-byte chunk of the thread's i-th coalesced row: row tidx//8 + 16 i, columns
-    32 vb + 4 (tidx%8) ..+4. A warp instruction covers 4 whole 128-byte rows."""
-    vv = t2d.shape[1]
-    off = (tidx // 8 + 16 * i) * vv + 32 * vb + 4 * (tidx % 8)
-    lay = _vec4_layouts()[1 if atom_shape else 0]
-    return _al(cute.make_tensor(t2d.iterator + off, lay), 16)
-
-
-def _kvs_chunk(sKV, tidx, i, atom_shape):
-    """Shared-memory chunk of the thread's i-th coalesced row (row r0 + 16 i, r0 = tidx//8)."""
-    r0 = tidx // 8
-    phys = (tidx % 8) ^ (r0 // 4) ^ (4 * (i % 2))  # (r >> 2) & 7 with r = r0 + 16 i, r0 < 16
-    lay = _vec4_layouts()[1 if atom_shape else 0]
-    return _al(cute.make_tensor(sKV.iterator + (r0 + 16 * i) * 32 + 4 * phys, lay), 16)
-
-
-def _kvs_frag(sKV, kl, vcl):
-    """The fragment (as _state_view for [K,V]: rows 4 kl + r + 64 h, columns 4 vcl..) in the tile."""
-    p = vcl ^ (kl % 8)  # (k >> 2) & 7 = kl & 7 for every row k of the fragment
-    lay = cute.make_layout(((4, 2), 4), stride=((32, 64 * 32), 1))
-    return _al(cute.make_tensor(sKV.iterator + 4 * kl * 32 + 4 * p, lay), 16)
-
-
-def _kvs_load(sKV, t2d, vb, tidx, atom):
-    """Global state tile -> shared tile: 8 coalesced 16-byte cp.async per thread (no registers
-    held), one group. The caller waits (cp.async.wait_group 0) and syncs before reading."""
-    for i in range(8):  # plain helper: unrolled at trace time
-        cute.copy(atom, _kvs_row_chunk(t2d, vb, tidx, i, True), _kvs_chunk(sKV, tidx, i, True))
-    cute.arch.cp_async_commit_group()
-
-
-def _kvs_store(rS, sKV, t2d, vb, tidx, kl, vcl, f32):
-    """Fragment -> shared tile -> global state tile (coalesced). Each thread first overwrites only
-    the chunks it read itself; the barriers order the cross-thread reads and the next write."""
-    cute.autovec_copy(rS, _kvs_frag(sKV, kl, vcl))
-    cute.arch.barrier()
-    for i in range(8):  # plain helper: unrolled at trace time
-        r4 = cute.make_rmem_tensor((4,), f32)
-        cute.autovec_copy(_kvs_chunk(sKV, tidx, i, False), r4)
-        cute.autovec_copy(r4, _kvs_row_chunk(t2d, vb, tidx, i, False))
-    cute.arch.barrier()
 
 
 def _sget(rS, VF, i, j):
@@ -222,17 +169,19 @@ class DecodeConfig:
     bv: int = 32                   # value columns per CTA (multiple of 8)
     prefetch_next: bool = True     # load token t+1's inputs while token t computes (T > 1)
     min_ctas: int = 0              # >0: ask ptxas for this many CTAs per SM (caps registers)
-    # [K,V] layout only: lanes along V so each warp instruction reads whole 128-byte rows; K is split
-    # over lanes and warps, reduced by shuffles + one shared-memory exchange per token. The host
-    # sets it for one-token KDA steps and for lightning (measured: -5..-15% at T=1; KDA T=4 +6%).
-    kv_rows: bool = False
-    # [K,V] layout only: the state tile moves through a swizzled 16 KiB shared-memory tile with
-    # row-coalesced global loads and stores (what kv_rows gets), while the compute keeps the v2
-    # mapping (shuffle reductions only: no per-token exchange, so T > 1 pays nothing extra).
-    kv_smem: bool = False
-    # T > 1: at the start of a tile, prefetch the L2 lines of tokens 1..T-1's inputs, so the
-    # per-token loads of the serial token chain hit L2 instead of DRAM (T=4 costs 1.41-1.53x T=1).
-    l2_prefetch: bool = False
+    # [K,V] layout only (ignored for [V,K]): lanes along V so each warp instruction reads whole
+    # 128-byte rows; K is split over lanes and warps, reduced by shuffles + one shared-memory
+    # exchange per token. Off: the warp-K mapping (a warp instruction touches 16 rows x 32 bytes).
+    # Measured faster at T=1 and T=4 for both ops (docs/decode_kernels.md, sessions 2-3).
+    kv_rows: bool = True
+    # right after the state loads are issued, prefetch.global.L2 the lines of tokens 1..T-1's
+    # inputs, so the serial token chain's loads hit L2 (T=4: 1.49-1.53x T=1 without, 1.27-1.29x with).
+    l2_prefetch: bool = True
+
+    def __post_init__(self):
+        # kv_rows names a [K,V] mapping: off for [V,K], so the compile key holds no dead flag
+        if self.state_v_first and self.kv_rows:
+            object.__setattr__(self, "kv_rows", False)
 
     def key(self):
         return tuple((f.name, getattr(self, f.name)) for f in fields(self))
@@ -254,10 +203,8 @@ class RecurrentDecode:
 
     def __init__(self, cfg: DecodeConfig):
         assert cfg.K == 128 and cfg.V % cfg.bv == 0 and cfg.bv % 8 == 0
-        if cfg.kv_rows and not cfg.state_v_first and cfg.bv != 32:
+        if cfg.kv_rows and cfg.bv != 32:
             raise ValueError(f"kv_rows maps 4 warps x 32 value columns: bv must be 32, got {cfg.bv}")
-        if cfg.kv_smem and not cfg.state_v_first and (cfg.kv_rows or cfg.bv != 32):
-            raise ValueError("kv_smem needs bv=32 and not kv_rows")
         self.cfg = cfg
 
     # ------------------------------------------------------------------------------------------
@@ -270,8 +217,7 @@ class RecurrentDecode:
         KDA = cfg.mode == "kda"
         VF = cfg.state_v_first
         POOL = cfg.pool
-        KVROW = cfg.kv_rows and not VF
-        KVSMEM = cfg.kv_smem and not VF
+        KVROW = cfg.kv_rows
         NVB = V // BV
         f32 = Float32
 
@@ -342,11 +288,6 @@ class RecurrentDecode:
                 sRed = cutlass.memory.SmemAllocator().allocate_tensor(
                     f32, cute.make_layout((2, 4, 8, 12), stride=(384, 96, 12, 1)),  # [parity, warp, vl, r]
                     byte_alignment=16)
-            if cutlass.const_expr(KVSMEM):
-                sKV = cutlass.memory.SmemAllocator().allocate_tensor(
-                    f32, cute.make_layout((K * BV,), stride=(1,)), byte_alignment=16)
-                kvs_atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), f32,
-                                               num_bits_per_copy=128)
             HQ = mQ.shape[2]
             HVn = mV.shape[2]
             bx, by, bz = cute.arch.block_idx()
@@ -388,12 +329,7 @@ class RecurrentDecode:
                     rb8 = cute.make_rmem_tensor((8,), mBias.element_type)
                     cute.autovec_copy(_kvec(cute.local_tile(mBias, (K,), (hv,)), kl, KVROW), rb8)
                     rbias.store(rb8.load().to(f32))
-                if cutlass.const_expr(cfg.has_h0 and KVSMEM):
-                    _kvs_load(sKV, mH0[rslot, hv, None, None], vb, tidx, kvs_atom)
-                    cute.arch.cp_async_wait_group(0)
-                    cute.arch.barrier()
-                    cute.autovec_copy(_kvs_frag(sKV, kl, vc - vb * (BV // 4)), rS)
-                elif cutlass.const_expr(cfg.has_h0):
+                if cutlass.const_expr(cfg.has_h0):
                     cute.autovec_copy(_state_view(VF, KVROW, mH0[rslot, hv, None, None], vc, kl), rS)
 
                 if cutlass.const_expr(cfg.l2_prefetch):
@@ -516,16 +452,10 @@ class RecurrentDecode:
                             if t < mIdx.shape[1]:
                                 ws = Int64(mIdx[n, t])
                         if ws >= 0 and ws < Int64(mH0.shape[0]):
-                            if cutlass.const_expr(KVSMEM):
-                                _kvs_store(rS, sKV, mH0[ws, hv, None, None], vb, tidx, kl, vc - vb * (BV // 4), f32)
-                            else:
-                                cute.autovec_copy(rS, _state_view(VF, KVROW, mH0[ws, hv, None, None], vc, kl))
+                            cute.autovec_copy(rS, _state_view(VF, KVROW, mH0[ws, hv, None, None], vc, kl))
 
                 if cutlass.const_expr(POOL == 0 and cfg.has_ht):
-                    if cutlass.const_expr(KVSMEM):
-                        _kvs_store(rS, sKV, mHt[n, hv, None, None], vb, tidx, kl, vc - vb * (BV // 4), f32)
-                    else:
-                        cute.autovec_copy(rS, _state_view(VF, KVROW, mHt[n, hv, None, None], vc, kl))
+                    cute.autovec_copy(rS, _state_view(VF, KVROW, mHt[n, hv, None, None], vc, kl))
             else:
                 # padding / empty sequence: touch no state; zero its output rows
                 if cutlass.const_expr(POOL != 0):
@@ -545,12 +475,9 @@ class RecurrentDecode:
             else:
                 nseq = mQ.shape[0]
             k = kernel(mQ, mK, mV, mG, mBeta, mA, mBias, mH0, mHt, mO, mCu, mIdx, mNa, scale, lower_bound)
-            # a CTA per tile; no shared memory (kv_rows, kv_smem aside): the whole carveout as L1
-            # kv_smem: 4 CTAs/SM asked of ptxas (<= 128 registers; the pool path needs 168 uncapped,
-            # 0 spills capped: sm_90a, 2026-12-02)
+            # a CTA per tile; no shared memory beyond kv_rows' 3 KiB exchange: the carveout goes to L1
             k.launch(grid=[NVB, mV.shape[2], nseq], block=[NTHR, 1, 1], stream=stream,
-                     min_blocks_per_mp=(cfg.min_ctas or 4) if KVSMEM else cfg.min_ctas,
-                     preferred_smem_carveout=40 if KVSMEM else 0)
+                     min_blocks_per_mp=cfg.min_ctas, preferred_smem_carveout=0)
 
         return launch
 
@@ -612,8 +539,7 @@ class RecurrentDecode:
         c = self.cfg
         e = [r"st\.global\.v4\.b32", r"shfl\.sync\.bfly", r"ex2\.approx"]
         if c.has_h0:
-            async_state = c.kv_smem and not c.state_v_first
-            e.append(r"cp\.async\.cg\.shared\.global.*16" if async_state else r"ld\.global\.v4\.b32")
+            e.append(r"ld\.global\.v4\.b32")
         if c.l2norm:
             e.append(r"rsqrt")
         if c.l2_prefetch:
@@ -657,6 +583,8 @@ def get_kernel(cfg: DecodeConfig):
 
 
 def representative_configs() -> list:
+    """What CI compiles for sm_90a: every flag and both layouts with the default knobs, plus the
+    non-default mappings the tests and benchmarks.variants still compare against."""
     C = DecodeConfig
     out = []
     for vf in (False, True):
@@ -669,24 +597,15 @@ def representative_configs() -> list:
                      pool=1, has_ht=False, idx_dtype="int64"))
         # fixed batch, precomputed gate, fp32 beta, final state
         out.append(C(mode="kda", state_v_first=vf, g_dtype="float32", beta_dtype="float32"))
-        # lightning: fixed and varlen ([K,V]: the host always picks kv_rows)
+        # lightning: fixed and varlen
+        out.append(C(mode="lightning", state_v_first=vf, g_dtype="float32", beta_dtype="float32"))
         out.append(C(mode="lightning", state_v_first=vf, g_dtype="float32", beta_dtype="float32",
-                     kv_rows=not vf))
-        out.append(C(mode="lightning", state_v_first=vf, g_dtype="float32", beta_dtype="float32",
-                     varlen=True, cu_dtype="int64", has_h0=False, kv_rows=not vf))
-    # one-token KDA steps on [K,V] (kv_rows, the host's choice at T=1): serving flags with a pool,
-    # and a fixed batch with a final state
+                     varlen=True, cu_dtype="int64", has_h0=False))
+    # [K,V] with the warp-K mapping (v2), and without the L2 prefetch
     out.append(C(mode="kda", l2norm=True, gate_in_kernel=True, has_A=True, has_bias=True, has_lower_bound=True,
-                 beta_sigmoid=True, pool=2, spec=True, has_ht=False, varlen=True, kv_rows=True))
-    out.append(C(mode="kda", g_dtype="float32", beta_dtype="float32", kv_rows=True))
-    # the [K,V] shared-memory transpose candidate (kv_smem): KDA with a pool (per-token writes), lightning
-    out.append(C(mode="kda", l2norm=True, gate_in_kernel=True, has_A=True, has_bias=True, has_lower_bound=True,
-                 beta_sigmoid=True, pool=2, spec=True, has_ht=False, varlen=True, kv_smem=True))
-    out.append(C(mode="lightning", g_dtype="float32", beta_dtype="float32", kv_smem=True))
-    # the L2 prefetch of a multi-token step's later tokens (l2_prefetch)
-    out.append(C(mode="kda", state_v_first=True, l2norm=True, gate_in_kernel=True, has_A=True, has_bias=True,
-                 beta_sigmoid=True, pool=2, spec=True, has_ht=False, varlen=True, l2_prefetch=True))
-    out.append(C(mode="lightning", g_dtype="float32", beta_dtype="float32", l2_prefetch=True))
+                 beta_sigmoid=True, pool=2, spec=True, has_ht=False, varlen=True, kv_rows=False))
+    out.append(C(mode="lightning", g_dtype="float32", beta_dtype="float32", kv_rows=False))
+    out.append(C(mode="kda", g_dtype="float32", beta_dtype="float32", l2_prefetch=False))
     return out
 
 

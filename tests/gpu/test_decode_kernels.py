@@ -262,14 +262,11 @@ def test_lightning_no_initial_state():
 
 
 # ---------------------------------------------------------------------------------------------
-# Tuning candidates (DecodeConfig knobs the H200 sweep, benchmarks/variants.py, chooses between):
-# the [K,V] mappings forced on every call (v2 where the host picks kv_rows, kv_rows where it picks v2,
-# the kv_smem shared-tile candidate), narrower / wider CTAs, and the L2 prefetch of a multi-token
-# step's tokens (l2_prefetch). The same checks as above, knob on, so whichever the sweep picks as a
-# default is already tested.
-TUNINGS = {"v2": {"kv_rows": False}, "kv_rows": {"kv_rows": True}, "bv16": {"bv": 16, "kv_rows": False},
-           "bv64": {"bv": 64, "kv_rows": False}, "kv_smem": {"kv_smem": True, "kv_rows": False},
-           "l2_prefetch": {"l2_prefetch": True}}
+# Tuning knobs away from the defaults (DecodeConfig fields benchmarks/variants.py compares on the
+# H200): [K,V] with the warp-K mapping (v2), no L2 prefetch of later tokens, narrower / wider CTAs.
+# The same checks as above with the knob set, so every mapping a sweep can pick is already tested.
+TUNINGS = {"v2": {"kv_rows": False}, "no_l2_prefetch": {"l2_prefetch": False},
+           "bv16": {"bv": 16, "kv_rows": False}, "bv64": {"bv": 64, "kv_rows": False}}
 
 
 @pytest.fixture(params=list(TUNINGS))
@@ -316,8 +313,8 @@ def test_tuned_kda_varlen_empty(tuned, with_h0):
 
 
 @pytest.mark.parametrize("vf,knobs", [(False, {"kv_rows": True}), (False, {"kv_rows": False}),
-                                      (False, {"kv_smem": True, "kv_rows": False}), (True, {"state_v_first": True})],
-                         ids=["kv-kv_rows", "kv-v2", "kv-kv_smem", "vk"])  # [V,K] has one mapping
+                                      (True, {"state_v_first": True})],
+                         ids=["kv-kv_rows", "kv-v2", "vk"])  # [V,K] has one mapping
 def test_tuned_full_grid(vf, knobs):
     """Each state mapping on a serving-size step: 48 sequences x 32 heads x 4 column blocks = 6144
     CTAs (several waves), 2-D pool indices with speculative reads, padding sequences and skipped

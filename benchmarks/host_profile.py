@@ -1,0 +1,119 @@
+"""Host-side cost of one eager call, FLA vs fla_cula: ``python -m benchmarks.host_profile [--out DIR]``.
+
+Why it exists: where an op's host work (Python, argument checks, kernel launches) takes about as
+long as its GPU work, the eager column times the CPU, not the GPU. This tool measures the host
+part alone and says what it is made of:
+
+host µs   the GPU is first handed a long sleep kernel, so no call waits for the device and each
+          call's wall time is pure host work; a call that synchronizes with the GPU waits for
+          the sleep and shows as "syncs".
+launches  CUDA runtime calls per op call, counted by torch.profiler: kernel launches, and
+          synchronizations / memory copies (each one stalls a host-bound loop).
+eager µs  the benchmark's eager protocol (do_bench median, L2 flushed) repeated in alternating
+          order (FLA, fla_cula, fla_cula, FLA, ...): its spread is the noise of the eager column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+SLEEP_CYCLES = 4_000_000_000  # ~2 s at the H200's ~1.98 GHz: longer than any loop below
+
+
+def host_us(call, n: int = 10) -> tuple[float, bool]:
+    """Median host wall time per call while the GPU is busy; True if some call waited for it."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    t = []
+    t_start = time.perf_counter()
+    for _ in range(n):
+        t0 = time.perf_counter()
+        call()
+        t.append(time.perf_counter() - t0)
+    # the sleep is ~2 s, host work ~ms: longer means a sync (or a full launch queue) waited for it
+    waited = time.perf_counter() - t_start > 0.5
+    torch.cuda.synchronize()
+    return 1e6 * statistics.median(t), waited
+
+
+def runtime_calls(call, n: int = 5) -> dict[str, float]:
+    """CUDA runtime/driver calls per op call, by kind."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            call()
+        torch.cuda.synchronize()
+    kinds = {"launch": ("LaunchKernel",), "sync": ("Synchronize",), "memcpy": ("Memcpy",),
+             "alloc": ("cudaMalloc", "cuMemAlloc")}
+    out = dict.fromkeys(kinds, 0.0)
+    for ev in prof.key_averages():
+        for kind, pats in kinds.items():
+            if any(p in ev.key for p in pats):
+                out[kind] += ev.count / n
+    out["sync"] -= 1 / n  # the profiler loop's own final synchronize
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.host_profile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="write host_profile.json here")
+    p.add_argument("--rounds", type=int, default=3, help="alternating eager rounds per impl")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("host_profile: no CUDA device", file=sys.stderr)
+        return 2
+
+    from benchmarks.harness import _do_bench
+    from benchmarks.registry import registry
+    from parity.runner import cula_functions, fla_functions
+
+    fns = {"fla": fla_functions(), "fla_cula": cula_functions()}
+    device = torch.device("cuda", torch.cuda.current_device())
+    rows = []
+    print(f"{'op':<32} {'shape':<18} {'impl':<9} {'host us':>8} {'launch':>7} {'sync':>5} {'memcpy':>6} "
+          f"{'eager us (rounds)':<30}", flush=True)
+    for b in registry():
+        if "eager" not in b.modes or not b.quick:
+            continue
+        s = b.quick[0]
+        torch.manual_seed(0)
+        x = b.make_inputs(s, device, False)
+        row = {"op": b.op, "bench": b.name, "shape": s.desc}
+        with torch.inference_mode():
+            calls = {impl: (lambda f=fns[impl][b.op], b=b, x=x: b.call(f, x)) for impl in fns}
+            for c in calls.values():
+                c()  # compile / autotune outside the timing
+            torch.cuda.synchronize()
+            eager = {impl: [] for impl in calls}
+            for r in range(args.rounds):
+                order = list(calls) if r % 2 == 0 else list(calls)[::-1]
+                for impl in order:
+                    eager[impl].append(1e3 * _do_bench(calls[impl]))
+            for impl, c in calls.items():
+                h, waited = host_us(c)
+                rc = runtime_calls(c)
+                row[impl] = {"host_us": h, "waited_for_gpu": waited, "runtime_calls": rc, "eager_us": eager[impl]}
+                print(f"{b.op:<32} {s.desc:<18} {impl:<9} {h:>8.1f} {rc['launch']:>7.1f} {rc['sync']:>5.1f} "
+                      f"{rc['memcpy']:>6.1f} {' '.join(f'{e:.1f}' for e in eager[impl]):<30}"
+                      + ("  (a call waited for the GPU)" if waited else ""), flush=True)
+        rows.append(row)
+        del x
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(os.path.join(args.out, "host_profile.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
