@@ -9,8 +9,9 @@ host µs   the GPU is first handed a long sleep kernel, so no call waits for the
           the sleep and shows as "syncs".
 launches  CUDA runtime calls per op call, counted by torch.profiler: kernel launches, and
           synchronizations / memory copies (each one stalls a host-bound loop).
-eager µs  the benchmark's eager protocol (do_bench median, L2 flushed) repeated in alternating
-          order (FLA, fla_cula, fla_cula, FLA, ...): its spread is the noise of the eager column.
+eager µs  the benchmark's eager protocol (back-to-back calls, wall time per call) repeated in
+          alternating order (FLA, fla_cula, fla_cula, FLA, ...): its spread is the eager column's noise.
+--cprofile  where fla_cula's host time goes, per function, for the kernel-routed ops.
 """
 
 from __future__ import annotations
@@ -63,18 +64,38 @@ def runtime_calls(call, n: int = 5) -> dict[str, float]:
     return out
 
 
+def cprofile_top(call, n: int = 200, top: int = 12) -> list[tuple[str, float, float]]:
+    """(function, own µs per op call, cumulative µs per op call) of the top `top` by own time
+    (cProfile's own overhead inflates small functions: read it as an attribution, not a timing)."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        call()
+    pr.disable()
+    torch.cuda.synchronize()
+    st = pstats.Stats(pr)
+    rows = [(f"{os.path.basename(fn)}:{line}({name})", tt / n * 1e6, ct / n * 1e6)
+            for (fn, line, name), (_, _, tt, ct, _) in st.stats.items()]
+    return sorted(rows, key=lambda r: -r[1])[:top]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.host_profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="write host_profile.json here")
     p.add_argument("--rounds", type=int, default=3, help="alternating eager rounds per impl")
+    p.add_argument("--cprofile", action="store_true", help="where fla_cula's host time goes (kernel-routed ops)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("host_profile: no CUDA device", file=sys.stderr)
         return 2
 
-    from benchmarks.harness import _do_bench
+    from benchmarks.harness import _eager_ms
     from benchmarks.registry import registry
+    from fla_cula import routing
     from parity.runner import cula_functions, fla_functions
 
     fns = {"fla": fla_functions(), "fla_cula": cula_functions()}
@@ -98,7 +119,7 @@ def main(argv=None) -> int:
             for r in range(args.rounds):
                 order = list(calls) if r % 2 == 0 else list(calls)[::-1]
                 for impl in order:
-                    eager[impl].append(1e3 * _do_bench(calls[impl]))
+                    eager[impl].append(1e3 * _eager_ms(calls[impl]))
             for impl, c in calls.items():
                 h, waited = host_us(c)
                 rc = runtime_calls(c)
@@ -106,6 +127,12 @@ def main(argv=None) -> int:
                 print(f"{b.op:<32} {s.desc:<18} {impl:<9} {h:>8.1f} {rc['launch']:>7.1f} {rc['sync']:>5.1f} "
                       f"{rc['memcpy']:>6.1f} {' '.join(f'{e:.1f}' for e in eager[impl]):<30}"
                       + ("  (a call waited for the GPU)" if waited else ""), flush=True)
+            calls["fla_cula"]()
+            if args.cprofile and routing.last_route() == (b.op, routing.KERNEL):
+                top = cprofile_top(calls["fla_cula"])
+                row["fla_cula"]["cprofile"] = top
+                for name, own, cum in top:
+                    print(f"    {own:7.2f} us own {cum:7.2f} us cum  {name}", flush=True)
         rows.append(row)
         del x
         torch.cuda.empty_cache()

@@ -82,10 +82,11 @@ def markdown(records: list[dict], header: dict, ceilings: dict, benches_meta: di
     L.append("")
     L.append("## How to read")
     L.append("")
-    L.append("- Times are `triton.testing.do_bench` medians (warm-up and first-call compile/autotune excluded). "
-             "`eager` = a plain Python call (measured FLA, fla_cula, fla_cula, FLA; each side keeps its faster "
-             "median, so call order cannot favour either); `graph` = CUDA-graph replay of the same call "
-             "(GPU time without "
+    L.append("- Medians, warm-up and first-call compile/autotune excluded. "
+             "`eager` = plain Python calls back to back (wall time per call over batches of 20: max of the "
+             "host work and the GPU work, what a loop without graphs gets; measured FLA, fla_cula, fla_cula, "
+             "FLA, each side keeps its faster median, so call order cannot favour either); `graph` = "
+             "`triton.testing.do_bench` of a CUDA-graph replay of the same call (GPU time without "
              "Python overhead; L2 flushed before each replay, as a decode step finds it after other layers ran); "
              "`graph_warm` = back-to-back replays without a flush (small states stay in L2: the conditions of "
              "baseline-h200.md's decode numbers); `fwd+bwd` = forward + backward.")
