@@ -11,7 +11,7 @@ launches  CUDA runtime calls per op call, counted by torch.profiler: kernel laun
           synchronizations / memory copies (each one stalls a host-bound loop).
 eager µs  the benchmark's eager protocol (back-to-back calls, wall time per call) repeated in
           alternating order (FLA, fla_cula, fla_cula, FLA, ...): its spread is the eager column's noise.
---cprofile  where fla_cula's host time goes, per function, for the kernel-routed ops.
+--cprofile  where each side's host time goes, per function.
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="write host_profile.json here")
     p.add_argument("--rounds", type=int, default=3, help="alternating eager rounds per impl")
-    p.add_argument("--cprofile", action="store_true", help="where fla_cula's host time goes (kernel-routed ops)")
+    p.add_argument("--cprofile", action="store_true", help="where each side's host time goes, per function")
+    p.add_argument("--ops", nargs="+", help="only these ops")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("host_profile: no CUDA device", file=sys.stderr)
@@ -95,7 +96,6 @@ def main(argv=None) -> int:
 
     from benchmarks.harness import _eager_ms
     from benchmarks.registry import registry
-    from fla_cula import routing
     from parity.runner import cula_functions, fla_functions
 
     fns = {"fla": fla_functions(), "fla_cula": cula_functions()}
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     print(f"{'op':<32} {'shape':<18} {'impl':<9} {'host us':>8} {'launch':>7} {'sync':>5} {'memcpy':>6} "
           f"{'eager us (rounds)':<30}", flush=True)
     for b in registry():
-        if "eager" not in b.modes or not b.quick:
+        if "eager" not in b.modes or not b.quick or (args.ops and b.op not in args.ops):
             continue
         s = b.quick[0]
         torch.manual_seed(0)
@@ -127,12 +127,13 @@ def main(argv=None) -> int:
                 print(f"{b.op:<32} {s.desc:<18} {impl:<9} {h:>8.1f} {rc['launch']:>7.1f} {rc['sync']:>5.1f} "
                       f"{rc['memcpy']:>6.1f} {' '.join(f'{e:.1f}' for e in eager[impl]):<30}"
                       + ("  (a call waited for the GPU)" if waited else ""), flush=True)
-            calls["fla_cula"]()
-            if args.cprofile and routing.last_route() == (b.op, routing.KERNEL):
-                top = cprofile_top(calls["fla_cula"])
-                row["fla_cula"]["cprofile"] = top
-                for name, own, cum in top:
-                    print(f"    {own:7.2f} us own {cum:7.2f} us cum  {name}", flush=True)
+            if args.cprofile:
+                for impl, c in calls.items():
+                    top = cprofile_top(c, n=50 if b.op.startswith("chunk") else 200)
+                    row[impl]["cprofile"] = top
+                    print(f"  cProfile {impl} (alloc calls/op call {row[impl]['runtime_calls']['alloc']:.1f}):")
+                    for name, own, cum in top:
+                        print(f"    {own:8.2f} us own {cum:8.2f} us cum  {name}", flush=True)
         rows.append(row)
         del x
         torch.cuda.empty_cache()
