@@ -30,7 +30,8 @@ S'^T q, k.q and, with l2norm, |q|^2, |k|^2 all in one batch of shuffles).
 `l2_prefetch` (on by default) asks L2 for a multi-token step's later tokens right after the state
 stream is issued. Both knobs won the H200 sweeps in docs/decode_kernels.md; candidates that lost
 are deleted (persistent CTAs with a cp.async ring, `stages`; a shared-memory [K,V] transpose,
-`kv_smem`).
+`kv_smem`). `tok_smem` (KDA, off until it has run as the default on the H200) computes each
+token's per-k terms (decay, q, k and k.q, |q|^2, |k|^2) once per CTA through shared memory.
 """
 
 import dataclasses
