@@ -44,8 +44,12 @@ def host_us(call, n: int = 10) -> tuple[float, bool]:
     return 1e6 * statistics.median(t), waited
 
 
-def runtime_calls(call, n: int = 5) -> dict[str, float]:
-    """CUDA runtime/driver calls per op call, by kind."""
+_KINDS = {"launch": ("LaunchKernel",), "sync": ("Synchronize",), "memcpy": ("Memcpy",),
+          "alloc": ("cudaMalloc", "cuMemAlloc")}
+
+
+def _profiled_counts(call, n: int) -> dict[str, int]:
+    """CUDA runtime/driver calls by kind over n calls plus the closing synchronize."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -53,15 +57,20 @@ def runtime_calls(call, n: int = 5) -> dict[str, float]:
         for _ in range(n):
             call()
         torch.cuda.synchronize()
-    kinds = {"launch": ("LaunchKernel",), "sync": ("Synchronize",), "memcpy": ("Memcpy",),
-             "alloc": ("cudaMalloc", "cuMemAlloc")}
-    out = dict.fromkeys(kinds, 0.0)
+    out = dict.fromkeys(_KINDS, 0)
     for ev in prof.key_averages():
-        for kind, pats in kinds.items():
+        for kind, pats in _KINDS.items():
             if any(p in ev.key for p in pats):
-                out[kind] += ev.count / n
-    out["sync"] -= 1 / n  # the profiler loop's own final synchronize
+                out[kind] += ev.count
     return out
+
+
+def runtime_calls(call, n: int = 5) -> dict[str, float]:
+    """CUDA runtime/driver calls per op call, by kind: the profiled loop minus an empty profiled
+    loop (the closing synchronize and whatever the profiler itself issues)."""
+    base = _profiled_counts(lambda: None, 1)
+    got = _profiled_counts(call, n)
+    return {k: (got[k] - base[k]) / n for k in _KINDS}
 
 
 def cprofile_top(call, n: int = 200, top: int = 12) -> list[tuple[str, float, float]]:
