@@ -30,7 +30,8 @@ S'^T q, k.q and, with l2norm, |q|^2, |k|^2 all in one batch of shuffles).
 `l2_prefetch` (on by default) asks L2 for a multi-token step's later tokens right after the state
 stream is issued. Both knobs won the H200 sweeps in docs/decode_kernels.md; candidates that lost
 are deleted (persistent CTAs with a cp.async ring, `stages`; a shared-memory [K,V] transpose,
-`kv_smem`).
+`kv_smem`). `tok_smem` (KDA, off until it has run as the default on the H200) computes each
+token's per-k terms (decay, q, k and k.q, |q|^2, |k|^2) once per CTA through shared memory.
 """
 
 import dataclasses
@@ -115,13 +116,21 @@ def _sset(rS, VF, i, j, x):
         rS[i, j] = x
 
 
-def _load_tok(KDA, KVROW, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt, b, tok, hq, hv, kl, vc):
-    """Issue one token's input loads (q, k, v; for KDA also g and beta) into registers."""
-    cute.autovec_copy(_kvec(mQ[b, tok, hq, None], kl, KVROW), rq8)
-    cute.autovec_copy(_kvec(mK[b, tok, hq, None], kl, KVROW), rk8)
+def _load_tok(KDA, KVROW, TOKS, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt, b, tok, hq, hv, kl, vc, kk):
+    """Issue one token's input loads (q, k, v; for KDA also g and beta) into registers: the
+    thread's 8 K positions, or with TOKS (tok_smem) the one position kk it stages for the CTA."""
+    if TOKS:
+        rq8[0] = mQ[b, tok, hq, kk]
+        rk8[0] = mK[b, tok, hq, kk]
+    else:
+        cute.autovec_copy(_kvec(mQ[b, tok, hq, None], kl, KVROW), rq8)
+        cute.autovec_copy(_kvec(mK[b, tok, hq, None], kl, KVROW), rk8)
     cute.autovec_copy(_vvec(mV[b, tok, hv, None], vc), rv4)
     if KDA:
-        cute.autovec_copy(_kvec(mG[b, tok, hv, None], kl, KVROW), rg8)
+        if TOKS:
+            rg8[0] = mG[b, tok, hv, kk]
+        else:
+            cute.autovec_copy(_kvec(mG[b, tok, hv, None], kl, KVROW), rg8)
         rbt[0] = Float32(mBeta[b, tok, hv])
 
 
@@ -177,11 +186,17 @@ class DecodeConfig:
     # right after the state loads are issued, prefetch.global.L2 the lines of tokens 1..T-1's
     # inputs, so the serial token chain's loads hit L2 (T=4: 1.49-1.53x T=1 without, 1.27-1.29x with).
     l2_prefetch: bool = True
+    # KDA, bv=32 only (128 threads = K): thread k computes token t's decay, q_k, k_k (fp32) and its
+    # share of k.q, |q|^2, |k|^2 once for the CTA into shared memory (one barrier per token), instead
+    # of every thread recomputing its 8 rows' gates and partial dot products (8-32x redundant).
+    tok_smem: bool = False
 
     def __post_init__(self):
         # kv_rows names a [K,V] mapping: off for [V,K], so the compile key holds no dead flag
         if self.state_v_first and self.kv_rows:
             object.__setattr__(self, "kv_rows", False)
+        if self.mode != "kda" and self.tok_smem:  # lightning has no per-k gate to stage
+            object.__setattr__(self, "tok_smem", False)
 
     def key(self):
         return tuple((f.name, getattr(self, f.name)) for f in fields(self))
@@ -205,6 +220,8 @@ class RecurrentDecode:
         assert cfg.K == 128 and cfg.V % cfg.bv == 0 and cfg.bv % 8 == 0
         if cfg.kv_rows and cfg.bv != 32:
             raise ValueError(f"kv_rows maps 4 warps x 32 value columns: bv must be 32, got {cfg.bv}")
+        if cfg.tok_smem and cfg.bv != 32:
+            raise ValueError(f"tok_smem stages one K position per thread: bv must be 32, got {cfg.bv}")
         self.cfg = cfg
 
     # ------------------------------------------------------------------------------------------
@@ -218,6 +235,8 @@ class RecurrentDecode:
         VF = cfg.state_v_first
         POOL = cfg.pool
         KVROW = cfg.kv_rows
+        TOKS = cfg.tok_smem
+        NRK = 1 if TOKS else 8  # K positions a thread loads per token (1: staged through shared memory)
         NVB = V // BV
         f32 = Float32
 
@@ -226,6 +245,20 @@ class RecurrentDecode:
 
         def sigmoid(x):
             return f32(1.0) / (f32(1.0) + fexp(-x))
+
+        @cute.jit
+        def decay(gi, bi, aexp, lower_bound):
+            """exp(gate) of one K position: precomputed g, or computed in kernel from g + dt_bias."""
+            if cutlass.const_expr(cfg.gate_in_kernel):
+                gi = gi + bi
+                if cutlass.const_expr(cfg.has_lower_bound):
+                    gi = lower_bound * sigmoid(aexp * gi)
+                else:
+                    sp = gi
+                    if gi <= f32(20.0):  # FLA's softplus threshold
+                        sp = cute.math.log2(f32(1.0) + fexp(gi), fastmath=True) * LN2
+                    gi = -aexp * sp
+            return fexp(gi)
 
         def thread_map(vb, lane, warp):
             """(kl, vc, wr) of a thread in column block vb; see _kvec / _state_view."""
@@ -288,6 +321,12 @@ class RecurrentDecode:
                 sRed = cutlass.memory.SmemAllocator().allocate_tensor(
                     f32, cute.make_layout((2, 4, 8, 12), stride=(384, 96, 12, 1)),  # [parity, warp, vl, r]
                     byte_alignment=16)
+            if cutlass.const_expr(TOKS):
+                # [parity, (decay, q, k), K] and [parity, warp, (k.q, |q|^2, |k|^2, pad)]
+                sTok = cutlass.memory.SmemAllocator().allocate_tensor(
+                    f32, cute.make_layout((2, 3, K), stride=(3 * K, K, 1)), byte_alignment=16)
+                sTr = cutlass.memory.SmemAllocator().allocate_tensor(
+                    f32, cute.make_layout((2, 4, 4), stride=(16, 4, 1)), byte_alignment=16)
             HQ = mQ.shape[2]
             HVn = mV.shape[2]
             bx, by, bz = cute.arch.block_idx()
@@ -302,12 +341,12 @@ class RecurrentDecode:
             # in either layout (trace-time index swap, no data movement).
             rS = cute.make_rmem_tensor((4, 8) if VF else (8, 4), f32)
             rS.fill(0.0)
-            rq8 = cute.make_rmem_tensor((8,), mQ.element_type)
-            rk8 = cute.make_rmem_tensor((8,), mK.element_type)
+            rq8 = cute.make_rmem_tensor((NRK,), mQ.element_type)
+            rk8 = cute.make_rmem_tensor((NRK,), mK.element_type)
             rv4 = cute.make_rmem_tensor((4,), mV.element_type)
             ro4 = cute.make_rmem_tensor((4,), mO.element_type)
             rdec = cute.make_rmem_tensor((8,), f32)
-            rg8 = cute.make_rmem_tensor((8,), mG.element_type if KDA else f32)
+            rg8 = cute.make_rmem_tensor((NRK,), mG.element_type if KDA else f32)
             rg8.fill(0.0)
             rbt = cute.make_rmem_tensor((1,), f32)
             rbt[0] = f32(0.0)
@@ -316,16 +355,19 @@ class RecurrentDecode:
                 # Issue order = latency order: token 0's inputs and the per-head constants first,
                 # then the 16 KiB state stream; nothing below waits until the decay multiply.
                 if Tn > 0:
-                    _load_tok(KDA, KVROW, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt, b, bos, hq, hv, kl, vc)
+                    _load_tok(KDA, KVROW, TOKS, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt, b, bos, hq, hv,
+                              kl, vc, tidx)
                 gam = f32(0.0)
                 if cutlass.const_expr(not KDA):
                     gam = fexp(f32(mG[hq]))
                 aexp = f32(1.0)
                 if cutlass.const_expr(KDA and cfg.gate_in_kernel and cfg.has_A):
                     aexp = fexp(f32(mA[hv]))
-                rbias = cute.make_rmem_tensor((8,), f32)
+                rbias = cute.make_rmem_tensor((NRK,), f32)
                 rbias.fill(0.0)
-                if cutlass.const_expr(KDA and cfg.gate_in_kernel and cfg.has_bias):
+                if cutlass.const_expr(KDA and cfg.gate_in_kernel and cfg.has_bias and TOKS):
+                    rbias[0] = f32(mBias[hv * K + tidx])
+                elif cutlass.const_expr(KDA and cfg.gate_in_kernel and cfg.has_bias):
                     rb8 = cute.make_rmem_tensor((8,), mBias.element_type)
                     cute.autovec_copy(_kvec(cute.local_tile(mBias, (K,), (hv,)), kl, KVROW), rb8)
                     rbias.store(rb8.load().to(f32))
@@ -337,8 +379,8 @@ class RecurrentDecode:
                         _prefetch_tok(KDA, KVROW, mQ, mK, mV, mG, b, bos + t, hq, hv, kl, vc)
                 for t in cutlass.range(Tn, unroll=1):
                     if cutlass.const_expr(not cfg.prefetch_next) and t > 0:
-                        _load_tok(KDA, KVROW, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt,
-                                  b, bos + t, hq, hv, kl, vc)
+                        _load_tok(KDA, KVROW, TOKS, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt,
+                                  b, bos + t, hq, hv, kl, vc, tidx)
                     qf = rq8.load().to(f32)
                     kf = rk8.load().to(f32)
                     vf = rv4.load().to(f32)
@@ -346,22 +388,42 @@ class RecurrentDecode:
                     bt = rbt[0]
                     if cutlass.const_expr(cfg.prefetch_next) and t + 1 < Tn:
                         # prefetch the next token: its latency leaves the serial chain
-                        _load_tok(KDA, KVROW, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt,
-                                  b, bos + t + 1, hq, hv, kl, vc)
+                        _load_tok(KDA, KVROW, TOKS, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt,
+                                  b, bos + t + 1, hq, hv, kl, vc, tidx)
+                    NT = 3 if cfg.l2norm else 1  # k.q (and |q|^2, |k|^2): from the staging with TOKS
+                    tr = cute.make_rmem_tensor((3,), f32)
+                    if cutlass.const_expr(TOKS):
+                        # ---- stage: thread k = tidx writes decay_k, q_k, k_k and reduces its warp's
+                        # share of k.q, |q|^2, |k|^2; after the barrier every thread reads its 8 rows
+                        # (double-buffered by token parity: a buffer is rewritten two barriers later)
+                        par = t % 2
+                        sTok[par, 0, tidx] = decay(gf[0], rbias[0], aexp, lower_bound)
+                        sTok[par, 1, tidx] = qf[0]
+                        sTok[par, 2, tidx] = kf[0]
+                        tr[0] = qf[0] * kf[0]
+                        tr[1] = qf[0] * qf[0]
+                        tr[2] = kf[0] * kf[0]
+                        for sh in cutlass.range_constexpr(5):
+                            for r in cutlass.range_constexpr(NT):
+                                tr[r] = tr[r] + cute.arch.shuffle_sync_bfly(tr[r], offset=1 << sh)
+                        if lane == 0:
+                            for r in cutlass.range_constexpr(NT):
+                                sTr[par, warp, r] = tr[r]
+                        cute.arch.barrier()
+                        cute.autovec_copy(_kvec(sTok[par, 0, None], kl, KVROW), rdec)
+                        rq = cute.make_rmem_tensor((8,), f32)
+                        rk = cute.make_rmem_tensor((8,), f32)
+                        cute.autovec_copy(_kvec(sTok[par, 1, None], kl, KVROW), rq)
+                        cute.autovec_copy(_kvec(sTok[par, 2, None], kl, KVROW), rk)
+                        qf = rq.load()
+                        kf = rk.load()
+                        for r in cutlass.range_constexpr(NT):
+                            tr[r] = sTr[par, 0, r] + sTr[par, 1, r] + sTr[par, 2, r] + sTr[par, 3, r]
                     # ---- decay ----
                     if cutlass.const_expr(KDA):
-                        for i in cutlass.range_constexpr(8):
-                            gi = gf[i]
-                            if cutlass.const_expr(cfg.gate_in_kernel):
-                                gi = gi + rbias[i]
-                                if cutlass.const_expr(cfg.has_lower_bound):
-                                    gi = lower_bound * sigmoid(aexp * gi)
-                                else:
-                                    sp = gi
-                                    if gi <= f32(20.0):  # FLA's softplus threshold
-                                        sp = cute.math.log2(f32(1.0) + fexp(gi), fastmath=True) * LN2
-                                    gi = -aexp * sp
-                            rdec[i] = fexp(gi)
+                        if cutlass.const_expr(not TOKS):
+                            for i in cutlass.range_constexpr(8):
+                                rdec[i] = decay(gf[i], rbias[i], aexp, lower_bound)
                         for i in cutlass.range_constexpr(8):
                             for jj in cutlass.range_constexpr(4):
                                 _sset(rS, VF, i, jj, _sget(rS, VF, i, jj) * rdec[i])
@@ -370,8 +432,9 @@ class RecurrentDecode:
                             for jj in cutlass.range_constexpr(4):
                                 _sset(rS, VF, i, jj, _sget(rS, VF, i, jj) * gam)
                     # ---- one batched reduction over K (16 lanes hold all of K) ----
-                    NR = 4 + (4 if KDA else 0) + 1 + (2 if cfg.l2norm else 0)
-                    red = cute.make_rmem_tensor((NR,), f32)
+                    base = 8 if KDA else 4
+                    NR = base + (0 if TOKS else NT)  # values reduced below (TOKS: k.q etc. are done)
+                    red = cute.make_rmem_tensor((base + NT,), f32)
                     for jj in cutlass.range_constexpr(4):
                         aq = f32(0.0)
                         for i in cutlass.range_constexpr(8):
@@ -382,19 +445,22 @@ class RecurrentDecode:
                             for i in cutlass.range_constexpr(8):
                                 ak = ak + _sget(rS, VF, i, jj) * kf[i]
                             red[4 + jj] = ak
-                    base = 8 if KDA else 4
-                    kq = f32(0.0)
-                    for i in cutlass.range_constexpr(8):
-                        kq = kq + kf[i] * qf[i]
-                    red[base] = kq
-                    if cutlass.const_expr(cfg.l2norm):
-                        qq = f32(0.0)
-                        kk = f32(0.0)
+                    if cutlass.const_expr(TOKS):
+                        for r in cutlass.range_constexpr(NT):
+                            red[base + r] = tr[r]
+                    else:
+                        kq = f32(0.0)
                         for i in cutlass.range_constexpr(8):
-                            qq = qq + qf[i] * qf[i]
-                            kk = kk + kf[i] * kf[i]
-                        red[base + 1] = qq
-                        red[base + 2] = kk
+                            kq = kq + kf[i] * qf[i]
+                        red[base] = kq
+                        if cutlass.const_expr(cfg.l2norm):
+                            qq = f32(0.0)
+                            kk = f32(0.0)
+                            for i in cutlass.range_constexpr(8):
+                                qq = qq + qf[i] * qf[i]
+                                kk = kk + kf[i] * kf[i]
+                            red[base + 1] = qq
+                            red[base + 2] = kk
                     if cutlass.const_expr(KVROW):
                         # over the 4 row-lanes of a warp, then over the 4 warps through shared memory
                         # (double-buffered by token parity: one barrier per token is enough)
@@ -542,6 +608,8 @@ class RecurrentDecode:
             e.append(r"ld\.global\.v4\.b32")
         if c.l2norm:
             e.append(r"rsqrt")
+        if c.tok_smem:
+            e.append(r"bar\.sync")
         if c.l2_prefetch:
             e.append(r"prefetch\.global\.L2")
         return tuple(e)
@@ -584,7 +652,7 @@ def get_kernel(cfg: DecodeConfig):
 
 def representative_configs() -> list:
     """What CI compiles for sm_90a: every flag and both layouts with the default knobs, plus the
-    non-default mappings the tests and benchmarks.variants still compare against."""
+    non-default knobs the tests and benchmarks.variants compare against."""
     C = DecodeConfig
     out = []
     for vf in (False, True):
@@ -606,6 +674,10 @@ def representative_configs() -> list:
                  beta_sigmoid=True, pool=2, spec=True, has_ht=False, varlen=True, kv_rows=False))
     out.append(C(mode="lightning", g_dtype="float32", beta_dtype="float32", kv_rows=False))
     out.append(C(mode="kda", g_dtype="float32", beta_dtype="float32", l2_prefetch=False))
+    # KDA's per-token terms staged in shared memory (tok_smem): serving flags on both layouts
+    for vf in (False, True):
+        out.append(C(mode="kda", state_v_first=vf, l2norm=True, gate_in_kernel=True, has_A=True, has_bias=True,
+                     beta_sigmoid=True, pool=2, spec=True, has_ht=False, varlen=True, tok_smem=True))
     return out
 
 

@@ -263,10 +263,12 @@ def test_lightning_no_initial_state():
 
 # ---------------------------------------------------------------------------------------------
 # Tuning knobs away from the defaults (DecodeConfig fields benchmarks/variants.py compares on the
-# H200): [K,V] with the warp-K mapping (v2), no L2 prefetch of later tokens, narrower / wider CTAs.
+# H200): [K,V] with the warp-K mapping (v2), no L2 prefetch of later tokens, narrower / wider CTAs,
+# KDA's per-token terms staged once per CTA in shared memory (tok_smem).
 # The same checks as above with the knob set, so every mapping a sweep can pick is already tested.
 TUNINGS = {"v2": {"kv_rows": False}, "no_l2_prefetch": {"l2_prefetch": False},
-           "bv16": {"bv": 16, "kv_rows": False}, "bv64": {"bv": 64, "kv_rows": False}}
+           "bv16": {"bv": 16, "kv_rows": False}, "bv64": {"bv": 64, "kv_rows": False},
+           "tok_smem": {"tok_smem": True}}
 
 
 @pytest.fixture(params=list(TUNINGS))
@@ -275,9 +277,11 @@ def tuned(request):
     knobs = TUNINGS[request.param]
     recurrent_decode.set_tuning(**knobs)
     try:
-        yield knobs
-        ran = [c for c in recurrent_decode._fn_cache if all(getattr(c, k) == x for k, x in knobs.items())]
-        assert ran, f"no kernel with {knobs} ran"
+        state = dict(knobs)
+        yield state
+        if not state.get("skipped"):
+            ran = [c for c in recurrent_decode._fn_cache if all(getattr(c, k) == x for k, x in knobs.items())]
+            assert ran, f"no kernel with {knobs} ran"
     finally:
         recurrent_decode.set_tuning()
 
@@ -292,6 +296,12 @@ def test_tuned_kda_vk(tuned):
     test_kda_fused_recurrent(4, True, "softplus", "l2_sig")
 
 
+@pytest.mark.parametrize("vf", [False, True], ids=["kv", "vk"])
+def test_tuned_kda_plain(tuned, vf):
+    """No l2norm, no beta sigmoid: k.q is the only per-token scalar reduction."""
+    test_kda_fused_recurrent(4, vf, "precomputed", "plain")
+
+
 @pytest.mark.parametrize("spec", [False, True], ids=["nospec", "spec"])
 def test_tuned_pool(tuned, spec):
     test_kda_pool_2d(False, spec, torch.int32)
@@ -300,11 +310,19 @@ def test_tuned_pool(tuned, spec):
 @pytest.mark.parametrize("T", [1, 4])
 @pytest.mark.parametrize("varlen", [False, True])
 def test_tuned_lightning(tuned, T, varlen):
+    _skip_kda_only(tuned)
     test_lightning(T, False, varlen)
 
 
 def test_tuned_lightning_no_h0(tuned):
+    _skip_kda_only(tuned)
     test_lightning_no_initial_state()
+
+
+def _skip_kda_only(tuned):
+    if tuned.get("tok_smem"):
+        tuned["skipped"] = True
+        pytest.skip("tok_smem stages KDA's per-k gate; lightning configs normalize it off")
 
 
 @pytest.mark.parametrize("with_h0", [True, False])
@@ -313,8 +331,9 @@ def test_tuned_kda_varlen_empty(tuned, with_h0):
 
 
 @pytest.mark.parametrize("vf,knobs", [(False, {"kv_rows": True}), (False, {"kv_rows": False}),
-                                      (True, {"state_v_first": True})],
-                         ids=["kv-kv_rows", "kv-v2", "vk"])  # [V,K] has one mapping
+                                      (True, {"state_v_first": True}), (False, {"tok_smem": True}),
+                                      (True, {"state_v_first": True, "tok_smem": True})],
+                         ids=["kv-kv_rows", "kv-v2", "vk", "kv-tok_smem", "vk-tok_smem"])  # [V,K]: one mapping
 def test_tuned_full_grid(vf, knobs):
     """Each state mapping on a serving-size step: 48 sequences x 32 heads x 4 column blocks = 6144
     CTAs (several waves), 2-D pool indices with speculative reads, padding sequences and skipped
