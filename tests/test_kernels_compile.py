@@ -19,7 +19,7 @@ CFGS = representative_configs()
 def _id(c):
     layout = "vk" if c.state_v_first else "kv"
     tune = ("" if c.kv_rows or c.state_v_first else "-v2") + ("" if c.l2_prefetch else "-nol2pf") \
-        + ("-toks" if c.tok_smem else "")
+        + ("-notoks" if c.mode == "kda" and not c.tok_smem else "")
     return f"{c.mode}-{layout}-pool{c.pool}-varlen{int(c.varlen)}-gate{int(c.gate_in_kernel)}{tune}"
 
 
@@ -52,9 +52,9 @@ def test_default_mapping_per_layout():
     assert DecodeConfig(state_v_first=True, kv_rows=True) == DecodeConfig(state_v_first=True)
     with pytest.raises(ValueError, match="bv must be 32"):
         RecurrentDecode(DecodeConfig(bv=16))
-    RecurrentDecode(DecodeConfig(bv=16, kv_rows=False))
-    RecurrentDecode(DecodeConfig(bv=16, state_v_first=True))
-    assert not DecodeConfig(mode="lightning", tok_smem=True).tok_smem   # no per-k gate to stage
+    RecurrentDecode(DecodeConfig(bv=16, kv_rows=False, tok_smem=False))
+    RecurrentDecode(DecodeConfig(bv=16, state_v_first=True, tok_smem=False))
+    assert DecodeConfig().tok_smem and not DecodeConfig(mode="lightning").tok_smem  # lightning: no per-k gate
     with pytest.raises(ValueError, match="tok_smem stages one K position per thread"):
         RecurrentDecode(DecodeConfig(bv=64, kv_rows=False, tok_smem=True))
 
