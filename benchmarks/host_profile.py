@@ -12,6 +12,10 @@ launches  CUDA runtime calls per op call, counted by torch.profiler: kernel laun
 eager µs  the benchmark's eager protocol (back-to-back calls, wall time per call) repeated in
           alternating order (FLA, fla_cula, fla_cula, FLA, ...): its spread is the eager column's noise.
 --cprofile  where each side's host time goes, per function.
+--parts     fla_cula's kernel-routed decode calls taken apart (host µs of each piece alone, same
+          protocol as "host us"): the whole call, the signature, the memoized routing decision, the
+          outputs' allocations, the compiled kernel's TVM-FFI call alone, and references (an empty
+          TVM-FFI call with the same arguments, a one-kernel torch op).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import torch
 SLEEP_CYCLES = 4_000_000_000  # ~2 s at the H200's ~1.98 GHz: longer than any loop below
 
 
-def host_us(call, n: int = 10) -> tuple[float, bool]:
+def host_us(call, n: int = 100) -> tuple[float, bool]:
     """Median host wall time per call while the GPU is busy; True if some call waited for it."""
     torch.cuda.synchronize()
     torch.cuda._sleep(SLEEP_CYCLES)
@@ -91,6 +95,78 @@ def cprofile_top(call, n: int = 200, top: int = 12) -> list[tuple[str, float, fl
     return sorted(rows, key=lambda r: -r[1])[:top]
 
 
+def _decode_pieces(op: str, x: dict, call) -> dict:
+    """The pieces of one kernel-routed decode call, each a no-argument callable."""
+    import tvm_ffi
+
+    from fla_cula import routing
+    from fla_cula.kernels import kda_decode, lightning_decode
+    from fla_cula.ops import kda, lightning_attn
+
+    q, k, v, h0, cu = x["q"], x["k"], x["v"], x["initial_state"], x["cu_seqlens"]
+    scale = k.shape[-1] ** -0.5
+    if op == "fused_recurrent_kda":  # the arguments fla_cula.ops.kda builds from the benchmark's call
+        host, plans = kda_decode, kda._PLANS
+        kargs = (q, k, v, x["g"], x["beta"], x["A_log"], x["dt_bias"], h0, scale, True, False, False, cu, None,
+                 None, True, True, True, False, None, None)
+        key, grads = kargs, kargs[:5] + (h0, None)
+    else:
+        host, plans = lightning_decode, lightning_attn._PLANS
+        gg = lightning_attn.g_gamma_for(q.shape[2], 3, 24, q.device)
+        kargs = (q, k, v, gg, scale, h0, True, False, False, cu)
+        key, grads = (op, scale, q, k, v, 3, 24, None, h0, True, False, cu), (q, k, v, h0)
+    go = routing.route(op, plans, key, grads, lambda: (None, *host.plan(*kargs)))
+    captured = []
+    real_launch = host.launch
+    host.launch = lambda fn, dev, *a: captured.append((fn, a))
+    try:
+        go(kargs)
+    finally:
+        host.launch = real_launch
+    fn, largs = captured[0]
+    nop = tvm_ffi.get_global_func("testing.nop")
+    final = (v.shape[0], v.shape[2], 128, 128)
+    return {
+        "whole call": call,
+        "routing.signature": lambda: routing.signature(key),
+        "routing.route (memo hit)": lambda: routing.route(op, plans, key, grads, None),
+        "plan's go (allocs + launch)": lambda: go(kargs),
+        "kernel TVM-FFI call alone": lambda: fn(*largs),
+        "tvm_ffi nop, same arguments": lambda: nop(*largs),
+        "torch.empty_like(v)": lambda: torch.empty_like(v),
+        "torch.empty(final state)": lambda: torch.empty(final, dtype=torch.float32, device=v.device),
+        "torch.cuda.current_device()": torch.cuda.current_device,
+        "reference: v.add_(0) (1 kernel)": lambda: v.add_(0),
+    }
+
+
+def decode_parts(device) -> list[dict]:
+    """Host µs of the pieces of fla_cula's kernel-routed decode calls (the quick B=1 shapes)."""
+    from benchmarks.registry import registry
+    from parity.runner import cula_functions
+
+    fns = cula_functions()
+    rows = []
+    for b in registry():
+        if b.op not in ("fused_recurrent_kda", "fused_recurrent_lightning_attn") or not b.quick:
+            continue
+        s = b.quick[0]
+        torch.manual_seed(0)
+        x = b.make_inputs(s, device, False)
+        with torch.inference_mode():
+            b.call(fns[b.op], x)
+            pieces = _decode_pieces(b.op, x, lambda f=fns[b.op], b=b, x=x: b.call(f, x))
+            row = {"op": b.op, "shape": s.desc, "parts": {}}
+            print(f"-- {b.op} {s.desc}: host us per call (median of 100, GPU busy)")
+            for name, c in pieces.items():
+                h, waited = host_us(c)
+                row["parts"][name] = h
+                print(f"   {h:8.2f}  {name}" + ("  (waited for the GPU)" if waited else ""), flush=True)
+            torch.cuda.synchronize()
+        rows.append(row)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.host_profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -98,10 +174,17 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="alternating eager rounds per impl")
     p.add_argument("--cprofile", action="store_true", help="where each side's host time goes, per function")
     p.add_argument("--ops", nargs="+", help="only these ops")
+    p.add_argument("--parts", action="store_true", help="only: fla_cula's decode calls taken apart")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("host_profile: no CUDA device", file=sys.stderr)
         return 2
+    if args.parts:
+        rows = decode_parts(torch.device("cuda", torch.cuda.current_device()))
+        if args.out:
+            with open(os.path.join(args.out, "host_parts.json"), "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
 
     from benchmarks.harness import _eager_ms
     from benchmarks.registry import registry

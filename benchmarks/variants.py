@@ -55,8 +55,10 @@ def _graph_us(fn) -> float:
 
 def _use(mod_rd, variant: dict):
     """Route the host wrappers to `mod_rd` (a recurrent_decode module) with `variant` tuning knobs."""
+    from fla_cula import routing
     from fla_cula.kernels import kda_decode, lightning_decode, recurrent_decode
     if mod_rd is recurrent_decode:
+        routing.clear_plans()
         for host in (kda_decode, lightning_decode):
             host.get_kernel, host.DecodeConfig = recurrent_decode.get_kernel, recurrent_decode.DecodeConfig
         recurrent_decode.set_tuning(**variant)
@@ -69,8 +71,8 @@ def _use(mod_rd, variant: dict):
         # modules of the persistent-CTA era returned (fn, CTAs per SM) and took a trailing max_ctas
         return (lambda *a, f=fn[0]: f(*a, 0)) if isinstance(fn, tuple) else fn
 
+    routing.clear_plans()
     for host in (kda_decode, lightning_decode):
-        host._cfg_cache.clear()
         host.get_kernel = old_kernel
 
 

@@ -31,12 +31,25 @@ class FallbackError(RuntimeError):
     """Raised instead of falling back to FLA when FLA_CULA_STRICT=1."""
 
 
+# os.environ.get on an unset name costs ~1.5 us (a KeyError raised and caught inside the Mapping);
+# os.environ keeps its encoded copy in `_data`, updated by every os.environ assignment (monkeypatch,
+# putenv through os.environ): a dict lookup there reads the same value at call time.
+_ENV = getattr(os.environ, "_data", None)
+
+
+def _getenv(name: str, default: str) -> str:
+    if _ENV is None:  # pragma: no cover - not CPython on POSIX
+        return os.environ.get(name, default)
+    x = _ENV.get(os.environ.encodekey(name))
+    return default if x is None else os.environ.decodevalue(x)
+
+
 def enabled() -> bool:
-    return os.environ.get("FLA_CULA", "1") != "0"
+    return _getenv("FLA_CULA", "1") != "0"
 
 
 def strict() -> bool:
-    return os.environ.get("FLA_CULA_STRICT", "0") not in ("0", "")
+    return _getenv("FLA_CULA_STRICT", "0") not in ("0", "")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,10 +136,8 @@ def _device_reason(index: int) -> str | None:
     return reason
 
 
-def common_reason(x: torch.Tensor, *tensors: torch.Tensor | None) -> str | None:
-    """Checks every kernel shares: env toggle, CUDA device, SM90, grad mode, one device."""
-    if not enabled():
-        return "FLA_CULA=0"
+def device_reason(x: torch.Tensor, *tensors: torch.Tensor | None) -> str | None:
+    """Checks every kernel shares that depend on where the tensors live: CUDA, SM90, one device."""
     if x.device.type != "cuda":
         return "no CUDA device" if not torch.cuda.is_available() else f"tensors on {x.device.type}, not CUDA"
     reason = _device_reason(x.device.index)
@@ -136,8 +147,77 @@ def common_reason(x: torch.Tensor, *tensors: torch.Tensor | None) -> str | None:
     for t in tensors:
         if t is not None and t.device != dev:
             return f"tensors on different devices ({dev} and {t.device})"
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *tensors)):
+    return None
+
+
+def grad_reason(tensors) -> str | None:
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return "grad enabled: forward-only kernel"
+    return None
+
+
+def common_reason(x: torch.Tensor, *tensors: torch.Tensor | None) -> str | None:
+    """Checks every kernel shares: env toggle, CUDA device, SM90, one device, grad mode."""
+    if not enabled():
+        return "FLA_CULA=0"
+    return device_reason(x, *tensors) or grad_reason((x, *tensors))
+
+
+# ---------------------------------------------------------------------------------------------
+# decisions memoized per call signature (the eager call path: a decode step's host work is ~all
+# argument checks and bookkeeping, so a repeated call shape must not redo them)
+MAX_PLANS = 4096
+_plan_caches: list[dict] = []
+
+
+def plan_cache() -> dict:
+    """A memo for one op: signature -> (reason before the grad check, reason after it, plan)."""
+    d: dict = {}
+    _plan_caches.append(d)
+    return d
+
+
+def clear_plans() -> None:
+    """Forget every memoized decision (kernel tuning changed, tests)."""
+    for d in _plan_caches:
+        d.clear()
+
+
+def signature(args) -> tuple:
+    """Everything a kernel's host checks read from a call's arguments, in one pass: per tensor its
+    dtype, shape, strides, device and address modulo 16; any other argument as it is. The checks
+    read nothing else (no tensor values: no host sync), so equal signatures get equal decisions;
+    requires_grad is left out and checked per call (grad_reason)."""
+    return tuple([(x.dtype, x.shape, x.stride(), x.device, x.data_ptr() & 15) if isinstance(x, torch.Tensor)
+                  else x for x in args])
+
+
+def route(op: str, cache: dict, key_args, grad_tensors, decide: Callable[[], tuple]):
+    """The plan to run our kernel with, or None after recording why the call goes to FLA.
+
+    decide() -> (pre, post, plan) runs once per distinct signature of `key_args`: `pre` a reason
+    that precedes the grad check (device, kernel import), `post` one that follows it (the kernel's
+    argument checks), `plan` what runs the call when both are None."""
+    if not enabled():
+        reason, plan = "FLA_CULA=0", None
+    else:
+        try:
+            key = signature(key_args)
+            ent = cache.get(key)
+        except TypeError:  # an unhashable argument: decide without memo (its check names it)
+            key = ent = None
+        if ent is None:
+            ent = decide()
+            if key is not None:
+                if len(cache) >= MAX_PLANS:
+                    cache.clear()
+                cache[key] = ent
+        pre, post, plan = ent
+        reason = pre or grad_reason(grad_tensors) or post
+    if reason is None:
+        record_kernel(op)
+        return plan
+    record_fallback(op, reason)
     return None
 
 

@@ -346,3 +346,77 @@ def test_fused_recurrent_kda_fwd_is_one_custom_op_under_export(inplace):
     shapes = [tuple(o.meta["val"].shape) for o in outs if hasattr(o, "meta") and "val" in o.meta]
     assert (2, 4, 128, 128) in shapes  # the final state (the pool itself, or a new [N, HV, K, V])
     assert fla_cula.status() == {}, "tracing must not route or count calls"
+
+
+# ---------------------------------------------------------------------------------------------
+# decisions memoized per call signature (routing.route)
+def test_signature_reads_every_fact_the_checks_use():
+    """Equal metadata -> equal signature (different tensors); dtype, shape, strides, alignment and
+    device each change it; values inside tensors never enter it."""
+    a, b = torch.randn(2, 8), torch.randn(2, 8)
+    sig = routing.signature
+    assert sig((a, 1.0, None, True)) == sig((b, 1.0, None, True))
+    base = torch.zeros(40)
+    assert sig((base[:32],)) != sig((base[1:33],))                      # address mod 16: 0 vs 4
+    for other in (a.double(), torch.randn(2, 9), torch.randn(8, 2).t(), a.to("meta")):
+        assert sig((a,)) != sig((other,))
+    assert sig((a, 0.5)) != sig((a, 0.25)) and sig((a, None)) != sig((a, False))
+
+
+def test_route_memoizes_decisions_per_signature():
+    cache = routing.plan_cache()
+    calls = []
+
+    def decide(post=None):
+        calls.append(post)
+        return None, post, ("plan", post)
+
+    x = torch.randn(4, 4)
+    for _ in range(3):
+        assert routing.route("op_memo", cache, (x, 1), (x,), decide) == ("plan", None)
+    assert len(calls) == 1 and fla_cula.status()["op_memo"]["kernel"] == 3
+    y = torch.randn(4, 4, dtype=torch.float64)
+    for _ in range(2):
+        assert routing.route("op_memo", cache, (y, 1), (y,), lambda: decide("y: float64")) is None
+    assert len(calls) == 2 and fla_cula.status()["op_memo"]["fallback"] == {"y: float64": 2}
+    # unhashable argument: decided every call, never stored
+    for _ in range(2):
+        routing.route("op_memo", cache, (x, [1]), (x,), decide)
+    assert len(calls) == 4 and len(cache) == 2
+    routing.clear_plans()
+    assert len(cache) == 0
+
+
+def test_route_grad_env_and_strict_are_per_call(monkeypatch):
+    """The memo holds what the signature decides; grad mode, FLA_CULA and strict mode are read on
+    every call, in the unmemoized order (device reason, then grad, then the kernel's checks)."""
+    cache = routing.plan_cache()
+    x = torch.randn(3, requires_grad=True)
+    pre = routing.route("op_grad", cache, (x,), (x,), lambda: (None, "bad shape", None))
+    assert pre is None and fla_cula.last_route() == ("op_grad", "fallback: grad enabled: forward-only kernel")
+    with torch.no_grad():
+        routing.route("op_grad", cache, (x,), (x,), None)   # memo hit: decide is not called again
+    assert fla_cula.last_route() == ("op_grad", "fallback: bad shape")
+    monkeypatch.setenv("FLA_CULA", "0")
+    routing.route("op_grad", cache, (x,), (x,), None)
+    assert fla_cula.last_route() == ("op_grad", "fallback: FLA_CULA=0")
+    monkeypatch.delenv("FLA_CULA")
+    monkeypatch.setenv("FLA_CULA_STRICT", "1")
+    with torch.no_grad(), pytest.raises(routing.FallbackError, match="bad shape"):
+        routing.route("op_grad", cache, (x,), (x,), None)
+
+
+def test_route_memo_is_bounded(monkeypatch):
+    monkeypatch.setattr(routing, "MAX_PLANS", 4)
+    cache = routing.plan_cache()
+    for n in range(10):
+        routing.route("op_bound", cache, (n,), (), lambda: (None, None, "plan"))
+        assert len(cache) <= 4
+
+
+def test_set_tuning_forgets_plans():
+    from fla_cula.kernels import recurrent_decode
+    cache = routing.plan_cache()
+    cache["k"] = (None, None, "plan")
+    recurrent_decode.set_tuning()
+    assert not cache

@@ -122,58 +122,71 @@ def check(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_s
     return None
 
 
-_cfg_cache: dict = {}
-
-
-def run(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
-        inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
-        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-        allow_neg_eigval, lower_bound, out):
-    """FLA's fused_recurrent_kda_fwd semantics; returns (out, final_state)."""
+def plan(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
+         inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+         allow_neg_eigval, lower_bound, out):
+    """check(), then everything a call derives from its arguments' metadata: the compiled kernel and
+    which optional inputs it takes, the outputs to allocate. (reason, None), or (None, go) where
+    go(args) runs any call whose arguments have the same signature (routing.signature)."""
+    r = check(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
+              inplace_final_state, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+              use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+              allow_neg_eigval, lower_bound, out)
+    if r:
+        return r, None
     pool = ssm_state_indices is not None
     gate = bool(use_gate_in_kernel)
     has_A = gate and A_log is not None
     has_bias = gate and dt_bias is not None
     has_lb = gate and lower_bound is not None
-    if out is None:
-        out = torch.empty_like(v)
-    final = None
-    if inplace_final_state:
-        final = initial_state
-    elif output_final_state:
-        N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        HV = v.shape[2]
-        final = q.new_empty((N, HV, 128, 128), dtype=torch.float32)
-    has_ht = (not pool) and final is not None
+    new_final = not inplace_final_state and bool(output_final_state)
+    has_ht = not pool and (new_final or bool(inplace_final_state))
     sig = bool(use_beta_sigmoid_in_kernel)
-    key = (q.dtype, v.dtype, g.dtype, beta.dtype, out.dtype, bool(state_v_first),
-           initial_state is not None, has_ht,
-           None if cu_seqlens is None else cu_seqlens.dtype,
-           0 if not pool else ssm_state_indices.ndim,
-           None if not pool else ssm_state_indices.dtype,
-           None if (not pool or num_accepted_tokens is None) else num_accepted_tokens.dtype,
-           bool(use_qk_l2norm_in_kernel), gate, None if not has_A else A_log.dtype,
-           None if not has_bias else dt_bias.dtype, has_lb, sig, sig and bool(allow_neg_eigval))
-    fn = _cfg_cache.get(key)
-    if fn is None:
-        cfg = DecodeConfig(
-            mode="kda", state_v_first=key[5], qk_dtype=FLOAT[q.dtype], v_dtype=FLOAT[v.dtype],
-            g_dtype=FLOAT[g.dtype], beta_dtype=FLOAT[beta.dtype], o_dtype=FLOAT[out.dtype],
-            has_h0=key[6], has_ht=has_ht, varlen=cu_seqlens is not None,
-            cu_dtype=INT[cu_seqlens.dtype] if cu_seqlens is not None else "int32",
-            pool=key[9], idx_dtype=INT[key[10]] if pool else "int32",
-            spec=key[11] is not None, na_dtype=INT[key[11]] if key[11] is not None else "int32",
-            l2norm=key[12], gate_in_kernel=gate, has_A=has_A,
-            a_dtype=FLOAT[A_log.dtype] if has_A else "float32", has_bias=has_bias,
-            bias_dtype=FLOAT[dt_bias.dtype] if has_bias else "float32",
-            has_lower_bound=has_lb, beta_sigmoid=sig, neg_eigval=key[18])
-        fn = _cfg_cache[key] = get_kernel(cfg)
-    if has_A and A_log.ndim != 1:
-        A_log = A_log.view(-1)
-    if has_bias and dt_bias.ndim != 1:
-        dt_bias = dt_bias.view(-1)
-    launch(fn, q.device, q, k, v, g, beta, A_log if has_A else None, dt_bias if has_bias else None,
-            initial_state, final if has_ht else None, out, cu_seqlens,
-            ssm_state_indices, num_accepted_tokens if pool else None,
-            float(scale), float(lower_bound) if has_lb else 0.0)
-    return out, final
+    na = num_accepted_tokens if pool else None
+    o_dtype = (v if out is None else out).dtype
+    cfg = DecodeConfig(
+        mode="kda", state_v_first=bool(state_v_first), qk_dtype=FLOAT[q.dtype], v_dtype=FLOAT[v.dtype],
+        g_dtype=FLOAT[g.dtype], beta_dtype=FLOAT[beta.dtype], o_dtype=FLOAT[o_dtype],
+        has_h0=initial_state is not None, has_ht=has_ht, varlen=cu_seqlens is not None,
+        cu_dtype=INT[cu_seqlens.dtype] if cu_seqlens is not None else "int32",
+        pool=ssm_state_indices.ndim if pool else 0, idx_dtype=INT[ssm_state_indices.dtype] if pool else "int32",
+        spec=na is not None, na_dtype=INT[na.dtype] if na is not None else "int32",
+        l2norm=bool(use_qk_l2norm_in_kernel), gate_in_kernel=gate, has_A=has_A,
+        a_dtype=FLOAT[A_log.dtype] if has_A else "float32", has_bias=has_bias,
+        bias_dtype=FLOAT[dt_bias.dtype] if has_bias else "float32",
+        has_lower_bound=has_lb, beta_sigmoid=sig, neg_eigval=sig and bool(allow_neg_eigval))
+    fn = get_kernel(cfg)
+    dev = q.device
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    final_shape = (N, v.shape[2], KV, KV)
+    scale, lb = float(scale), float(lower_bound) if has_lb else 0.0
+    flat_A = has_A and A_log.ndim != 1
+    flat_bias = has_bias and dt_bias.ndim != 1
+
+    def go(args):
+        """args: fused_recurrent_kda_fwd's 21 arguments in order (see check)."""
+        q, k, v, g, beta, A_log, dt_bias, h0 = args[:8]
+        out = args[20]
+        if out is None:
+            out = torch.empty_like(v)
+        final = h0 if inplace_final_state else (
+            torch.empty(final_shape, dtype=torch.float32, device=dev) if new_final else None)
+        if has_A:
+            A_log = A_log.view(-1) if flat_A else A_log
+        if has_bias:
+            dt_bias = dt_bias.view(-1) if flat_bias else dt_bias
+        launch(fn, dev, q, k, v, g, beta, A_log if has_A else None, dt_bias if has_bias else None,
+               h0, final if has_ht else None, out, args[12], args[13], args[14] if pool else None, scale, lb)
+        return out, final
+
+    return None, go
+
+
+def run(*args):
+    """FLA's fused_recurrent_kda_fwd semantics (the arguments of check); returns (out, final_state).
+    The op layer memoizes plan() per signature; this unmemoized form serves tests and tools."""
+    r, go = plan(*args)
+    if r:
+        raise ValueError(f"kda_decode: {r}")
+    return go(args)

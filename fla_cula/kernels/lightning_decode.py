@@ -54,28 +54,42 @@ def check(q, k, v, g_gamma, scale, initial_state, output_final_state, reverse, s
     return None
 
 
-_cfg_cache: dict = {}
+def plan(q, k, v, g_gamma, scale, initial_state, output_final_state, reverse, state_v_first,
+         cu_seqlens):
+    """check(), then the compiled kernel and output shapes for this signature: (reason, None), or
+    (None, go) where go(args) runs any call whose arguments have the same signature."""
+    r = check(q, k, v, g_gamma, scale, initial_state, output_final_state, reverse, state_v_first, cu_seqlens)
+    if r:
+        return r, None
+    has_ht = bool(output_final_state)
+    cfg = DecodeConfig(
+        mode="lightning", state_v_first=bool(state_v_first), qk_dtype=FLOAT[q.dtype],
+        v_dtype=FLOAT[v.dtype], g_dtype="float32", beta_dtype="float32",
+        o_dtype=FLOAT[q.dtype], has_h0=initial_state is not None, has_ht=has_ht,
+        varlen=cu_seqlens is not None,
+        cu_dtype=INT[cu_seqlens.dtype] if cu_seqlens is not None else "int32")
+    fn = get_kernel(cfg)
+    dev, o_dtype, o_shape = q.device, q.dtype, v.shape
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    ht_shape = (N, q.shape[2], KV, KV)
+    scale = float(scale)
+
+    def go(args):
+        """args: (q, k, v, g_gamma, scale, initial_state, output_final_state, reverse, state_v_first,
+        cu_seqlens), as check takes them."""
+        q, k, v, g_gamma = args[:4]
+        o = torch.empty(o_shape, dtype=o_dtype, device=dev)
+        ht = torch.empty(ht_shape, dtype=torch.float32, device=dev) if has_ht else None
+        launch(fn, dev, q, k, v, g_gamma, None, None, None, args[5], ht, o, args[9], None, None, scale, 0.0)
+        return o, ht
+
+    return None, go
 
 
-def run(q, k, v, g_gamma, scale, initial_state, output_final_state, reverse, state_v_first,
-        cu_seqlens):
-    """FLA's fused_recurrent_simple_gla(g_gamma=...) forward; returns (o, final_state)."""
-    o = torch.empty(v.shape, dtype=q.dtype, device=q.device)
-    ht = None
-    if output_final_state:
-        N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        ht = q.new_empty((N, q.shape[2], 128, 128), dtype=torch.float32)
-    key = (q.dtype, v.dtype, bool(state_v_first), initial_state is not None, ht is not None,
-           None if cu_seqlens is None else cu_seqlens.dtype)
-    fn = _cfg_cache.get(key)
-    if fn is None:
-        cfg = DecodeConfig(
-            mode="lightning", state_v_first=key[2], qk_dtype=FLOAT[q.dtype],
-            v_dtype=FLOAT[v.dtype], g_dtype="float32", beta_dtype="float32",
-            o_dtype=FLOAT[q.dtype], has_h0=key[3], has_ht=key[4],
-            varlen=cu_seqlens is not None,
-            cu_dtype=INT[cu_seqlens.dtype] if cu_seqlens is not None else "int32")
-        fn = _cfg_cache[key] = get_kernel(cfg)
-    launch(fn, q.device, q, k, v, g_gamma, None, None, None, initial_state, ht, o, cu_seqlens, None, None,
-            float(scale), 0.0)
-    return o, ht
+def run(*args):
+    """FLA's fused_recurrent_simple_gla(g_gamma=...) forward (the arguments of check); returns
+    (o, final_state). The op layer memoizes plan() per signature; this form serves tests and tools."""
+    r, go = plan(*args)
+    if r:
+        raise ValueError(f"lightning_decode: {r}")
+    return go(args)

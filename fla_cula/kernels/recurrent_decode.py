@@ -631,14 +631,13 @@ TUNING: dict = {}
 
 def set_tuning(**knobs) -> None:
     """Replace the tuning knobs (no arguments: back to the defaults) and drop cached kernels."""
-    from fla_cula.kernels import kda_decode, lightning_decode
+    from fla_cula import routing
     bad = set(knobs) - {f.name for f in fields(DecodeConfig)}
     if bad:
         raise ValueError(f"unknown DecodeConfig fields {sorted(bad)}")
     TUNING.clear()
     TUNING.update(knobs)
-    for host in (kda_decode, lightning_decode):
-        host._cfg_cache.clear()
+    routing.clear_plans()  # memoized plans hold compiled kernels
 
 
 def get_kernel(cfg: DecodeConfig):

@@ -25,6 +25,7 @@ FLA_FUSED_RECURRENT_KDA = _fla_fr.fused_recurrent_kda
 FLA_FUSED_RECURRENT_KDA_FWD = _fla_fr.fused_recurrent_kda_fwd
 
 _DECODE = routing.LazyKernel("kda_decode")
+_PLANS = routing.plan_cache()  # both decode entry points: their kernel arguments are the same 21
 
 
 def _pop_transpose_state_layout(kwargs: dict, state_v_first: bool) -> bool:
@@ -174,23 +175,31 @@ def _(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state
     return q.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)
 
 
+def _decide(kargs: tuple) -> tuple:
+    """routing.route's decide(): `kargs` are fused_recurrent_kda_fwd's 21 arguments, scale resolved."""
+    q, k, v, g, beta = kargs[:5]
+    pre = routing.device_reason(q, k, v, g, beta, kargs[7], kargs[20]) or _DECODE.reason()
+    if pre:
+        return pre, None, None
+    post, go = _DECODE.mod.plan(*kargs)
+    return None, post, go
+
+
+def _route_decode(op: str, kargs: tuple):
+    """The kernel's (out, final_state), or None after recording the fallback."""
+    go = routing.route(op, _PLANS, kargs, kargs[:5] + (kargs[7], kargs[20]), lambda: _decide(kargs))
+    return None if go is None else go(kargs)
+
+
 def _fwd_eager(args: tuple, kwargs: dict):
     """The routed eager call; `args` are fused_recurrent_kda_fwd's 21 named arguments in order."""
     if routing.in_fallback():  # FLA's own fused_recurrent_kda calling its fwd by module global
         return routing.call_fla(FLA_FUSED_RECURRENT_KDA_FWD, *args, **kwargs)
-    op = "fused_recurrent_kda_fwd"
-    q, k, v, g, beta = args[:5]
-    initial_state, scale, out = args[7], args[8], args[20]
-    if scale is None:
-        scale = k.shape[-1] ** -0.5
-    reason = routing.common_reason(q, k, v, g, beta, initial_state, out) or _DECODE.reason()
-    if reason is None:
-        kargs = args[:8] + (scale,) + args[9:]
-        reason = _DECODE.mod.check(*kargs)
-        if reason is None:
-            routing.record_kernel(op)
-            return _DECODE.mod.run(*kargs)
-    routing.record_fallback(op, reason)
+    if args[8] is None:
+        args = args[:8] + (args[1].shape[-1] ** -0.5,) + args[9:]
+    res = _route_decode("fused_recurrent_kda_fwd", args)
+    if res is not None:
+        return res
     return routing.call_fla(FLA_FUSED_RECURRENT_KDA_FWD, *args, **kwargs)
 
 
@@ -221,23 +230,18 @@ def fused_recurrent_kda(
             FLA_FUSED_RECURRENT_KDA, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
             use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
             lower_bound, state_v_first, cu_seqlens, **kwargs)
-    op = "fused_recurrent_kda"
     state_v_first = _pop_transpose_state_layout(kwargs, state_v_first)
     _check_varlen(q, initial_state, cu_seqlens)
     if scale is None:
         scale = k.shape[-1] ** -0.5
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
-    reason = routing.common_reason(q, k, v, g, beta, initial_state) or _DECODE.reason()
-    if reason is None:
-        kargs = (q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, False,
-                 state_v_first, cu_seqlens, None, None, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                 use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, None)
-        reason = _DECODE.mod.check(*kargs)
-        if reason is None:
-            routing.record_kernel(op)
-            return _DECODE.mod.run(*kargs)
-    routing.record_fallback(op, reason)
+    res = _route_decode("fused_recurrent_kda", (
+        q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state, False, state_v_first,
+        cu_seqlens, None, None, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+        allow_neg_eigval, lower_bound, None))
+    if res is not None:
+        return res
     return routing.call_fla(
         FLA_FUSED_RECURRENT_KDA, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,

@@ -26,6 +26,7 @@ FLA_FUSED_RECURRENT_LIGHTNING_ATTN = _fla_fr.fused_recurrent_lightning_attn
 FLA_FUSED_RECURRENT_SIMPLE_GLA = _fla_sgla_fr.fused_recurrent_simple_gla
 
 _DECODE = routing.LazyKernel("lightning_decode")
+_PLANS = routing.plan_cache()
 _g_gamma_cache: dict[tuple, torch.Tensor] = {}
 
 
@@ -61,20 +62,25 @@ def chunk_lightning_attn(
                             output_final_state, cu_seqlens, **kwargs)
 
 
-def _route_decode(op, q, k, v, g_gamma_fn, scale, initial_state, output_final_state, reverse, state_v_first,
-                  cu_seqlens):
-    """Kernel result, or None after recording the fallback reason."""
-    reason = routing.common_reason(q, k, v, initial_state) or _DECODE.reason()
-    if reason is None:
-        if scale is None:
-            scale = k.shape[-1] ** -0.5
-        kargs = (q, k, v, g_gamma_fn(), scale, initial_state, output_final_state, reverse, state_v_first, cu_seqlens)
-        reason = _DECODE.mod.check(*kargs)
-        if reason is None:
-            routing.record_kernel(op)
-            return _DECODE.mod.run(*kargs)
-    routing.record_fallback(op, reason)
-    return None
+def _route_decode(op, key_args, q, k, v, g_gamma_fn, scale, initial_state, output_final_state, reverse,
+                  state_v_first, cu_seqlens):
+    """Kernel result, or None after recording the fallback reason. `key_args` determine the decision
+    (routing.signature): the op's own arguments, from which g_gamma_fn() follows."""
+    if scale is None:
+        scale = k.shape[-1] ** -0.5
+
+    def decide():
+        pre = routing.device_reason(q, k, v, initial_state) or _DECODE.reason()
+        if pre:
+            return pre, None, None
+        post, go = _DECODE.mod.plan(q, k, v, g_gamma_fn(), scale, initial_state, output_final_state, reverse,
+                                    state_v_first, cu_seqlens)
+        return None, post, go
+
+    go = routing.route(op, _PLANS, (op, scale, *key_args), (q, k, v, initial_state), decide)
+    if go is None:
+        return None
+    return go((q, k, v, g_gamma_fn(), scale, initial_state, output_final_state, reverse, state_v_first, cu_seqlens))
 
 
 @torch.compiler.disable
@@ -95,7 +101,7 @@ def fused_recurrent_lightning_attn(
     if routing.in_fallback():
         return routing.call_fla(FLA_FUSED_RECURRENT_LIGHTNING_ATTN, *args)
     _check_varlen(q, initial_state, cu_seqlens, sep=" ")
-    res = _route_decode("fused_recurrent_lightning_attn", q, k, v,
+    res = _route_decode("fused_recurrent_lightning_attn", args, q, k, v,
                         lambda: g_gamma_for(q.shape[2], layer_idx, num_layers, q.device),
                         scale, initial_state, output_final_state, reverse, False, cu_seqlens)
     if res is not None:
@@ -132,7 +138,8 @@ def fused_recurrent_simple_gla(
         routing.record_fallback(op, reason)
         res = None
     else:
-        res = _route_decode(op, q, k, v, lambda: g_gamma, scale, initial_state, output_final_state, reverse,
+        key = (q, k, v, g_gamma, initial_state, output_final_state, reverse, state_v_first, cu_seqlens)
+        res = _route_decode(op, key, q, k, v, lambda: g_gamma, scale, initial_state, output_final_state, reverse,
                             state_v_first, cu_seqlens)
     if res is not None:
         return res

@@ -389,3 +389,40 @@ def test_kda_bitwise_repeatable(vf):
     for _ in range(20):
         o, s = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
         assert torch.equal(o, o0) and torch.equal(s, s0)
+
+
+def test_memoized_plans_follow_the_arguments(monkeypatch):
+    """The host memoizes each call signature's decision (routing.route): a call that differs from a
+    memoized one only in alignment, dtype, batch size, flags or grad mode gets its own decision, and
+    every kernel-routed result matches the fp64 reference."""
+    from fla_cula import routing
+    from fla_cula.ops.kda import fused_recurrent_kda
+    from fla_cula.reference import kda_recurrent
+    monkeypatch.setenv("FLA_CULA_STRICT", "0")
+    kw = dict(use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_gate_in_kernel=True)
+
+    def call(q, k, v, g, beta, A_log, dt_bias, h0, expect, **extra):
+        o, ht = fused_recurrent_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0.clone(),
+                                    output_final_state=True, **kw, **extra)
+        assert routing.last_route()[1] == expect
+        if expect == "kernel":
+            ro, rht = kda_recurrent(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0,
+                                    output_final_state=True, **kw, **extra)
+            assert _rr(ro, o) <= TOL and _rr(rht, ht) <= TOL
+
+    for B in (3, 5, 3):
+        q, k, v, g, beta, A_log, dt_bias = _inputs(B, 1, 2, 4, gate="raw", seed=B)
+        h0 = torch.randn(B, 4, 128, 128, device=DEV)
+        call(q, k, v, g, beta, A_log, dt_bias, h0, "kernel")
+        call(q, k, v, g, beta, A_log, dt_bias, h0, "kernel", lower_bound=-4.0)
+        # q at an address 2 bytes past a 16-byte boundary, same shape, strides and dtype
+        buf = torch.empty(q.numel() + 8, dtype=q.dtype, device=DEV)
+        q_off = buf[1:1 + q.numel()].view(q.shape).copy_(q)
+        call(q_off, k, v, g, beta, A_log, dt_bias, h0, "fallback: q not 16-byte aligned")
+        call(q, k, v, g, beta, A_log, dt_bias, h0, "kernel")
+        call(q, k, v, g.float(), beta, A_log, dt_bias, h0, "kernel")
+        qg = q.clone().requires_grad_()
+        with torch.enable_grad():
+            fused_recurrent_kda(qg, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0.clone(),
+                                output_final_state=True, **kw)
+        assert routing.last_route()[1] == "fallback: grad enabled: forward-only kernel"
