@@ -96,6 +96,19 @@ def _nvcc_version(nvcc: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
+def _find_dlpack_include() -> str | None:
+    """The DLPack header (>= 1.2, with the C exchange API) shipped by apache-tvm-ffi, a pinned runtime
+    dependency; found without importing it. None when tvm-ffi is not installed at build time."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("tvm_ffi")
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        inc = Path(loc) / "include"
+        if (inc / "dlpack" / "dlpack.h").is_file():
+            return str(inc)
+    return None
+
+
 def _find_cutlass_include() -> tuple[str | None, str]:
     home = os.environ.get("CUTLASS_HOME")
     if home:
@@ -251,15 +264,21 @@ def _extension() -> list[Extension]:
         *shlex.split(os.environ.get("FLA_CULA_NVCC_FLAGS", "")),
     ]
     sources = sorted(str(p.relative_to(ROOT)) for p in CSRC.rglob("*.cu"))
-    sources.append(str((CSRC / "bindings.cpp").relative_to(ROOT)))
+    sources += sorted(str(p.relative_to(ROOT)) for p in CSRC.rglob("*.cpp"))
+    dlpack_inc = _find_dlpack_include()
+    macros = [("FLA_CULA_VERSION", f'"{_version()}"'), ("FLA_CULA_BUILT_ARCH", f'"{BUILT_ARCH}"')]
+    if dlpack_inc:
+        macros.append(("FLA_CULA_HAVE_DLPACK", "1"))
+    else:
+        _log("dlpack/dlpack.h (apache-tvm-ffi) not found: building without call_signature (Python fallback)")
 
     ext = Extension(
         EXT_NAME,
         sources=sources,
         # Every csrc file: a header change relinks (the nvcc objects are tracked by _compile_cuda).
         depends=sorted(str(p.relative_to(ROOT)) for p in CSRC.rglob("*") if p.is_file()),
-        include_dirs=[pybind11.get_include(), str(CSRC)],
-        define_macros=[("FLA_CULA_VERSION", f'"{_version()}"'), ("FLA_CULA_BUILT_ARCH", f'"{BUILT_ARCH}"')],
+        include_dirs=[pybind11.get_include(), str(CSRC)] + ([dlpack_inc] if dlpack_inc else []),
+        define_macros=macros,
         extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden"],
         library_dirs=lib_dirs,
         # Static CUDA runtime: the module needs no libcudart at run time and never sees libtorch's.

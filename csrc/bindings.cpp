@@ -8,6 +8,9 @@
 #include <string>
 
 #include "state_copy/state_gather.h"
+#ifdef FLA_CULA_HAVE_DLPACK
+#include "host/call_signature.h"
+#endif
 
 #ifndef FLA_CULA_VERSION
 #error "FLA_CULA_VERSION must be defined by the build (setup.py)"
@@ -19,7 +22,7 @@
 namespace py = pybind11;
 
 // Bumped whenever a function's signature or semantics changes; fla_cula/_ext.py refuses a stale build.
-constexpr int kApiVersion = 1;
+constexpr int kApiVersion = 2;
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fla_cula CUDA C++ kernels (sm_90a), torch-free pybind11 bindings";
@@ -38,6 +41,22 @@ PYBIND11_MODULE(_C, m) {
       "Enqueue dst[i, :] = src[idx[i], :] (float32 rows) on `stream`; rows with idx outside [0, src_rows) are\n"
       "left untouched. Raises ValueError for bad arguments, RuntimeError for CUDA errors. Does not synchronize.");
 
+#ifdef FLA_CULA_HAVE_DLPACK
+  m.def(
+      "init_call_signature", [](py::object tensor_type) { return fla_cula::init_call_signature(tensor_type.ptr()); },
+      py::arg("tensor_type"),
+      "Bind torch's DLPack C exchange API (tensor_type = torch.Tensor); returns '' or why it cannot be used.");
+  m.def(
+      "call_signature",
+      [](py::object args, py::object slow) {
+        PyObject* r = fla_cula::call_signature(args.ptr(), slow.ptr());
+        if (r == nullptr) throw py::error_already_set();
+        return py::reinterpret_steal<py::object>(r);
+      },
+      py::arg("args"), py::arg("slow"),
+      "fla_cula.routing.signature(args): each tensor's dtype, device, address % 16, shape and strides as\n"
+      "bytes, other items as they are; slow(tensor) for a tensor the exchange API refuses.");
+#endif
   m.def("version", [] { return std::string(FLA_CULA_VERSION); }, "fla_cula version this module was built from.");
   m.def("built_arch", [] { return std::string(FLA_CULA_BUILT_ARCH); }, "GPU architecture of the device code.");
   m.def("api_version", [] { return kApiVersion; }, "Version of this module's function signatures.");

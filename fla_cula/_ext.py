@@ -12,7 +12,7 @@ from types import ModuleType
 import torch
 
 # Must match kApiVersion in csrc/bindings.cpp; a mismatch means the .so is stale (rebuild it).
-_API_VERSION = 1
+_API_VERSION = 2
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 

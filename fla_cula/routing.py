@@ -183,13 +183,42 @@ def clear_plans() -> None:
         d.clear()
 
 
+def _tensor_signature(x: torch.Tensor) -> tuple:
+    return (x.dtype, x.shape, x.stride(), x.device, x.data_ptr() & 15)
+
+
+def signature_py(args) -> tuple:
+    """signature() in Python (five attribute calls per tensor)."""
+    return tuple([_tensor_signature(x) if isinstance(x, torch.Tensor) else x for x in args])
+
+
+def _native_signature():
+    """fla_cula._C.call_signature bound to torch's DLPack C exchange API, or None (no extension, an
+    older build, or a torch without the API): then signature() stays in Python."""
+    from fla_cula import _ext
+    mod, _ = _ext._load()
+    fn = getattr(mod, "call_signature", None)
+    if fn is None or mod.init_call_signature(torch.Tensor):
+        return None
+    return fn
+
+
+_native = None
+_native_loaded = False
+
+
 def signature(args) -> tuple:
-    """Everything a kernel's host checks read from a call's arguments, in one pass: per tensor its
-    dtype, shape, strides, device and address modulo 16; any other argument as it is. The checks
-    read nothing else (no tensor values: no host sync), so equal signatures get equal decisions;
-    requires_grad is left out and checked per call (grad_reason)."""
-    return tuple([(x.dtype, x.shape, x.stride(), x.device, x.data_ptr() & 15) if isinstance(x, torch.Tensor)
-                  else x for x in args])
+    """Everything a kernel's host checks read from a call's arguments: per tensor its dtype, shape,
+    strides, device and address modulo 16; any other argument as it is. The checks read nothing
+    else (no tensor values: no host sync), so equal signatures get equal decisions; requires_grad
+    is left out and checked per call (grad_reason). Read in C++ when the extension has it (~1 us
+    instead of ~11 for a KDA call on the H200's host); one process keeps to one representation."""
+    global _native, _native_loaded
+    if not _native_loaded:
+        _native, _native_loaded = _native_signature(), True
+    if _native is not None:
+        return _native(args, _tensor_signature)
+    return signature_py(args)
 
 
 def route(op: str, cache: dict, key_args, grad_tensors, decide: Callable[[], tuple]):

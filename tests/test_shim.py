@@ -350,17 +350,44 @@ def test_fused_recurrent_kda_fwd_is_one_custom_op_under_export(inplace):
 
 # ---------------------------------------------------------------------------------------------
 # decisions memoized per call signature (routing.route)
-def test_signature_reads_every_fact_the_checks_use():
+def _native_signature_or_skip():
+    fn = routing._native_signature()
+    if fn is None:
+        pytest.skip("fla_cula._C without call_signature (extension not built, or no DLPack exchange API)")
+    return lambda args: fn(args, routing._tensor_signature)
+
+
+@pytest.mark.parametrize("impl", ["native", "python"])
+def test_signature_reads_every_fact_the_checks_use(impl):
     """Equal metadata -> equal signature (different tensors); dtype, shape, strides, alignment and
-    device each change it; values inside tensors never enter it."""
+    device each change it; values inside tensors never enter it. Both implementations: C++ through
+    torch's DLPack exchange API, and Python attribute reads."""
     a, b = torch.randn(2, 8), torch.randn(2, 8)
-    sig = routing.signature
+    sig = _native_signature_or_skip() if impl == "native" else routing.signature_py
     assert sig((a, 1.0, None, True)) == sig((b, 1.0, None, True))
     base = torch.zeros(40)
     assert sig((base[:32],)) != sig((base[1:33],))                      # address mod 16: 0 vs 4
     for other in (a.double(), torch.randn(2, 9), torch.randn(8, 2).t(), a.to("meta")):
         assert sig((a,)) != sig((other,))
     assert sig((a, 0.5)) != sig((a, 0.25)) and sig((a, None)) != sig((a, False))
+    p = torch.nn.Parameter(torch.randn(2, 8))      # requires grad: same facts as a plain tensor
+    assert sig((p,)) == sig((a.clone(),)) or impl == "python"
+    assert sig((p,)) != sig((p.double(),))
+    m = torch.empty(2, 8, device="meta")
+    assert sig((m,)) == sig((torch.empty(2, 8, device="meta"),)) and sig((m,)) != sig((a,))
+
+
+def test_native_signature_matches_python_decisions():
+    """The C++ signature separates exactly the calls the Python one separates."""
+    nat = _native_signature_or_skip()
+    base = torch.zeros(64)
+    xs = [torch.randn(2, 8), torch.randn(2, 8), torch.randn(8, 2).t(), torch.randn(2, 8).double(),
+          base[:16].view(2, 8), base[1:17].view(2, 8), base[4:20].view(2, 8), torch.randn(16)[::2],
+          torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(1, 8).expand(2, 8), torch.randn(0, 8)]
+    for x in xs:
+        for y in xs:
+            same_py = routing.signature_py((x, 1)) == routing.signature_py((y, 1))
+            assert (nat((x, 1)) == nat((y, 1))) == same_py, (x.shape, x.stride(), y.shape, y.stride())
 
 
 def test_route_memoizes_decisions_per_signature():
