@@ -87,6 +87,17 @@ def _launch_floor_ms() -> tuple[float, float]:
     return _do_bench(g.replay), _replay_warm_ms(g)
 
 
+def copy_same_mode_ms(nbytes: int, mode: str) -> float:
+    """A device-to-device copy that reads and writes `nbytes` in all, captured in a graph and timed in
+    `mode` ("graph": L2 flushed before each replay; "graph_warm": back to back): the floor of a
+    memory-bound row measured the way the row is, launch and ramp-up included."""
+    n = max(1, nbytes // 8)  # float32 elements copied: n * 4 read + n * 4 written
+    x = torch.randn(n, device="cuda")
+    y = torch.empty_like(x)
+    g = capture_graph(lambda: y.copy_(x))
+    return _do_bench(g.replay) if mode == "graph" else _replay_warm_ms(g)
+
+
 def measure_ceilings() -> dict[str, float]:
     """Device-to-device copy bandwidth (bytes read + written per second), bf16 matmul flop/s, and
     the launch floor of a one-kernel graph replay (with and without the L2 flush)."""

@@ -56,6 +56,7 @@ def summary_rows(records: list[dict], benches: tuple[str, ...] = ()) -> list[dic
                 "pct_roofline": pct_roofline(c.get("roofline_ms"), c.get("ms")),
                 "fla_pct_roofline": pct_roofline(f.get("roofline_ms"), f.get("ms")),
                 "roofline_ms": c.get("roofline_ms") or f.get("roofline_ms"),
+                "copy_ms": c.get("copy_same_mode_ms") or f.get("copy_same_mode_ms"),
                 "fla_peak": f.get("peak_bytes"), "cula_peak": c.get("peak_bytes"),
                 "error": "; ".join(e for e in (f.get("error") and f"FLA: {f['error']}",
                                                c.get("error") and f"fla_cula: {c['error']}") if e),
@@ -96,6 +97,9 @@ def markdown(records: list[dict], header: dict, ceilings: dict, benches_meta: di
     L.append("- % roofline = floor / fla_cula time, floor = max(bytes / copy bandwidth, flops / matmul rate) with "
              "the ceilings above; decode bytes = float32 state read + written + per-token inputs/outputs "
              "(formulas: benchmarks/registry.py).")
+    L.append("- same-byte copy = a device-to-device copy reading and writing the row's bytes, captured in a graph "
+             "and timed in the row's mode (graph / graph_warm rows of memory-bound ops): the floor with launch, "
+             "ramp-up and the L2 state of that mode included; a memory-bound kernel cannot beat it by much.")
     L.append("")
     rows = summary_rows(records)
     by_bench: OrderedDict[str, list[dict]] = OrderedDict()
@@ -109,13 +113,14 @@ def markdown(records: list[dict], header: dict, ceilings: dict, benches_meta: di
             L.append(f"Op `{meta.get('op')}`; flags: {meta['flags']}.")
             L.append("")
         L.append("| shape | mode | FLA | fla_cula | speedup | route | floor | % roofline (cula / FLA) | "
-                 "peak MiB (FLA / cula) | note |")
-        L.append("|---|---|---|---|---|---|---|---|---|---|")
+                 "same-byte copy | peak MiB (FLA / cula) | note |")
+        L.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in brs:
             peak = f"{_mib(r['fla_peak'])} / {_mib(r['cula_peak'])}"
             L.append(f"| {r['shape']} | {r['mode'].replace('fwdbwd', 'fwd+bwd')} | {_ms(r['fla_ms'])} | "
                      f"{_ms(r['cula_ms'])} | {_f(r['speedup'], '.2f')} | {r['route']} | {_ms(r['roofline_ms'])} | "
-                     f"{_f(r['pct_roofline'], '.0f')}% / {_f(r['fla_pct_roofline'], '.0f')}% | {peak} | "
+                     f"{_f(r['pct_roofline'], '.0f')}% / {_f(r['fla_pct_roofline'], '.0f')}% | {_ms(r['copy_ms'])} | "
+                     f"{peak} | "
                      f"{r['error'].replace('|', '/')} |")
         L.append("")
     return "\n".join(L)

@@ -19,6 +19,7 @@ CFGS = representative_configs()
 def _id(c):
     layout = "vk" if c.state_v_first else "kv"
     tune = ("" if c.kv_rows or c.state_v_first else "-v2") + ("" if c.l2_prefetch else "-nol2pf") \
+        + (f"-bv{c.bv}" if c.bv != 32 else "") \
         + ("-notoks" if c.mode == "kda" and not c.tok_smem else "")
     return f"{c.mode}-{layout}-pool{c.pool}-varlen{int(c.varlen)}-gate{int(c.gate_in_kernel)}{tune}"
 
@@ -52,11 +53,14 @@ def test_default_mapping_per_layout():
     assert DecodeConfig(state_v_first=True, kv_rows=True) == DecodeConfig(state_v_first=True)
     with pytest.raises(ValueError, match="bv must be 32"):
         RecurrentDecode(DecodeConfig(bv=16))
-    RecurrentDecode(DecodeConfig(bv=16, kv_rows=False, tok_smem=False))
-    RecurrentDecode(DecodeConfig(bv=16, state_v_first=True, tok_smem=False))
+    RecurrentDecode(DecodeConfig(bv=16, kv_rows=False))
+    RecurrentDecode(DecodeConfig(bv=16, state_v_first=True))
     assert DecodeConfig().tok_smem and not DecodeConfig(mode="lightning").tok_smem  # lightning: no per-k gate
-    with pytest.raises(ValueError, match="tok_smem stages one K position per thread"):
-        RecurrentDecode(DecodeConfig(bv=64, kv_rows=False, tok_smem=True))
+    # tok_smem needs 128 threads (one K position each): dropped from 8-warp configs' compile keys
+    assert not DecodeConfig(bv=64, kv_rows=False).tok_smem and not DecodeConfig(bv=16, state_v_first=True).tok_smem
+    assert DecodeConfig(bv=64).tok_smem and DecodeConfig(bv=64).warps == 4 and DecodeConfig(bv=64).groups == 2
+    with pytest.raises(ValueError, match="bv must be 32 or 64"):
+        RecurrentDecode(DecodeConfig(bv=128))
 
 
 # ---------------------------------------------------------------------------------------------

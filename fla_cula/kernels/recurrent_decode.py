@@ -118,14 +118,16 @@ def _sset(rS, VF, i, j, x):
 
 def _load_tok(KDA, KVROW, TOKS, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt, b, tok, hq, hv, kl, vc, kk):
     """Issue one token's input loads (q, k, v; for KDA also g and beta) into registers: the
-    thread's 8 K positions, or with TOKS (tok_smem) the one position kk it stages for the CTA."""
+    thread's 8 K positions, or with TOKS (tok_smem) the one position kk it stages for the CTA;
+    v for each of its column groups (rv4[g]: columns [4 (vc + 8g), +4))."""
     if TOKS:
         rq8[0] = mQ[b, tok, hq, kk]
         rk8[0] = mK[b, tok, hq, kk]
     else:
         cute.autovec_copy(_kvec(mQ[b, tok, hq, None], kl, KVROW), rq8)
         cute.autovec_copy(_kvec(mK[b, tok, hq, None], kl, KVROW), rk8)
-    cute.autovec_copy(_vvec(mV[b, tok, hv, None], vc), rv4)
+    for g in range(len(rv4)):
+        cute.autovec_copy(_vvec(mV[b, tok, hv, None], vc + 8 * g), rv4[g])
     if KDA:
         if TOKS:
             rg8[0] = mG[b, tok, hv, kk]
@@ -134,7 +136,7 @@ def _load_tok(KDA, KVROW, TOKS, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt, 
         rbt[0] = Float32(mBeta[b, tok, hv])
 
 
-def _prefetch_tok(KDA, KVROW, mQ, mK, mV, mG, b, tok, hq, hv, kl, vc):
+def _prefetch_tok(KDA, KVROW, NC, mQ, mK, mV, mG, b, tok, hq, hv, kl, vc):
     """prefetch.global.L2 the lines of one token's inputs this thread will load (q, k and, for KDA,
     g: both 64-element halves of the thread's K positions; v: its 4 columns)."""
     rows = [mQ[b, tok, hq, None], mK[b, tok, hq, None]] + ([mG[b, tok, hv, None]] if KDA else [])
@@ -142,7 +144,8 @@ def _prefetch_tok(KDA, KVROW, mQ, mK, mV, mG, b, tok, hq, hv, kl, vc):
         p = _kvec(row, kl, KVROW).iterator
         cute.arch.prefetch(p.llvm_ptr, cache_level="L2")
         cute.arch.prefetch((p + 64).llvm_ptr, cache_level="L2")
-    cute.arch.prefetch(_vvec(mV[b, tok, hv, None], vc).iterator.llvm_ptr, cache_level="L2")
+    for g in range(NC):
+        cute.arch.prefetch(_vvec(mV[b, tok, hv, None], vc + 8 * g).iterator.llvm_ptr, cache_level="L2")
 
 
 @dataclass(frozen=True)
@@ -175,7 +178,7 @@ class DecodeConfig:
     has_lower_bound: bool = False
     beta_sigmoid: bool = False
     neg_eigval: bool = False
-    bv: int = 32                   # value columns per CTA (multiple of 8)
+    bv: int = 32                   # value columns per CTA (multiple of 8; kv_rows: 32 or 64)
     prefetch_next: bool = True     # load token t+1's inputs while token t computes (T > 1)
     min_ctas: int = 0              # >0: ask ptxas for this many CTAs per SM (caps registers)
     # [K,V] layout only (ignored for [V,K]): lanes along V so each warp instruction reads whole
@@ -196,7 +199,8 @@ class DecodeConfig:
         # kv_rows names a [K,V] mapping: off for [V,K], so the compile key holds no dead flag
         if self.state_v_first and self.kv_rows:
             object.__setattr__(self, "kv_rows", False)
-        if self.mode != "kda" and self.tok_smem:  # lightning has no per-k gate to stage
+        # tok_smem stages one K position per thread of a 128-thread CTA; lightning has no per-k gate
+        if self.tok_smem and (self.mode != "kda" or self.warps != 4):
             object.__setattr__(self, "tok_smem", False)
 
     def key(self):
@@ -204,7 +208,14 @@ class DecodeConfig:
 
     @property
     def warps(self) -> int:
-        return self.bv // 8
+        """kv_rows: 4 warps cover K, each thread 8 rows x 4 columns per 32-column group;
+        warp-K: a warp per 8 columns."""
+        return 4 if self.kv_rows else self.bv // 8
+
+    @property
+    def groups(self) -> int:
+        """4-column groups per thread (kv_rows with bv=64: 2, an 8 x 8 fragment)."""
+        return self.bv // 32 if self.kv_rows else 1
 
 
 def _rm(dtype, shape, assumed_align=None):
@@ -219,10 +230,8 @@ class RecurrentDecode:
 
     def __init__(self, cfg: DecodeConfig):
         assert cfg.K == 128 and cfg.V % cfg.bv == 0 and cfg.bv % 8 == 0
-        if cfg.kv_rows and cfg.bv != 32:
-            raise ValueError(f"kv_rows maps 4 warps x 32 value columns: bv must be 32, got {cfg.bv}")
-        if cfg.tok_smem and cfg.bv != 32:
-            raise ValueError(f"tok_smem stages one K position per thread: bv must be 32, got {cfg.bv}")
+        if cfg.kv_rows and cfg.bv not in (32, 64):
+            raise ValueError(f"kv_rows maps 4 warps x 32 value columns per group: bv must be 32 or 64, got {cfg.bv}")
         self.cfg = cfg
 
     # ------------------------------------------------------------------------------------------
@@ -239,6 +248,7 @@ class RecurrentDecode:
         TOKS = cfg.tok_smem
         NRK = 1 if TOKS else 8  # K positions a thread loads per token (1: staged through shared memory)
         NVB = V // BV
+        NC = cfg.groups  # 4-column groups per thread (columns [4 (vc + 8g), +4), g < NC)
         f32 = Float32
 
         def fexp(x):
@@ -319,8 +329,9 @@ class RecurrentDecode:
             lane = tidx % 32
             warp = tidx // 32
             if cutlass.const_expr(KVROW):
+                RP = 12 if NC == 1 else 20  # >= the values reduced per token (8 NC + 3 for KDA)
                 sRed = cutlass.memory.SmemAllocator().allocate_tensor(
-                    f32, cute.make_layout((2, 4, 8, 12), stride=(384, 96, 12, 1)),  # [parity, warp, vl, r]
+                    f32, cute.make_layout((2, 4, 8, RP), stride=(32 * RP, 8 * RP, RP, 1)),  # [parity, warp, vl, r]
                     byte_alignment=16)
             if cutlass.const_expr(TOKS):
                 # [parity, (decay, q, k), K] and [parity, warp, (k.q, |q|^2, |k|^2, pad)]
@@ -338,14 +349,15 @@ class RecurrentDecode:
             # vc: its column group, v in [4vc, 4vc+4); wr: whether it writes o (one writer per column)
             kl, vc, wr = thread_map(vb, lane, warp)
             # ---- registers: state fragment + one token's raw inputs (prefetch buffers) ----
-            # rS holds the thread's 32 state elements; S(i, j) names element (k=kmap(i), v=4vc+j)
-            # in either layout (trace-time index swap, no data movement).
-            rS = cute.make_rmem_tensor((4, 8) if VF else (8, 4), f32)
-            rS.fill(0.0)
+            # rS[g] holds the thread's 32 state elements of column group g; S(i, j) names element
+            # (k=kmap(i), v=4(vc+8g)+j) in either layout (trace-time index swap, no data movement).
+            rS = [cute.make_rmem_tensor((4, 8) if VF else (8, 4), f32) for _ in range(NC)]
+            for g in cutlass.range_constexpr(NC):
+                rS[g].fill(0.0)
             rq8 = cute.make_rmem_tensor((NRK,), mQ.element_type)
             rk8 = cute.make_rmem_tensor((NRK,), mK.element_type)
-            rv4 = cute.make_rmem_tensor((4,), mV.element_type)
-            ro4 = cute.make_rmem_tensor((4,), mO.element_type)
+            rv4 = [cute.make_rmem_tensor((4,), mV.element_type) for _ in range(NC)]
+            ro4 = [cute.make_rmem_tensor((4,), mO.element_type) for _ in range(NC)]
             rdec = cute.make_rmem_tensor((8,), f32)
             rg8 = cute.make_rmem_tensor((NRK,), mG.element_type if KDA else f32)
             rg8.fill(0.0)
@@ -373,18 +385,19 @@ class RecurrentDecode:
                     cute.autovec_copy(_kvec(cute.local_tile(mBias, (K,), (hv,)), kl, KVROW), rb8)
                     rbias.store(rb8.load().to(f32))
                 if cutlass.const_expr(cfg.has_h0):
-                    cute.autovec_copy(_state_view(VF, KVROW, mH0[rslot, hv, None, None], vc, kl), rS)
+                    for g in cutlass.range_constexpr(NC):
+                        cute.autovec_copy(_state_view(VF, KVROW, mH0[rslot, hv, None, None], vc + 8 * g, kl), rS[g])
 
                 if cutlass.const_expr(cfg.l2_prefetch):
                     for t in cutlass.range(1, Tn, unroll=1):
-                        _prefetch_tok(KDA, KVROW, mQ, mK, mV, mG, b, bos + t, hq, hv, kl, vc)
+                        _prefetch_tok(KDA, KVROW, NC, mQ, mK, mV, mG, b, bos + t, hq, hv, kl, vc)
                 for t in cutlass.range(Tn, unroll=1):
                     if cutlass.const_expr(not cfg.prefetch_next) and t > 0:
                         _load_tok(KDA, KVROW, TOKS, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt,
                                   b, bos + t, hq, hv, kl, vc, tidx)
                     qf = rq8.load().to(f32)
                     kf = rk8.load().to(f32)
-                    vf = rv4.load().to(f32)
+                    vf = [rv4[g].load().to(f32) for g in range(NC)]
                     gf = rg8.load().to(f32)
                     bt = rbt[0]
                     if cutlass.const_expr(cfg.prefetch_next) and t + 1 < Tn:
@@ -425,27 +438,32 @@ class RecurrentDecode:
                         if cutlass.const_expr(not TOKS):
                             for i in cutlass.range_constexpr(8):
                                 rdec[i] = decay(gf[i], rbias[i], aexp, lower_bound)
-                        for i in cutlass.range_constexpr(8):
-                            for jj in cutlass.range_constexpr(4):
-                                _sset(rS, VF, i, jj, _sget(rS, VF, i, jj) * rdec[i])
+                        for g in cutlass.range_constexpr(NC):
+                            for i in cutlass.range_constexpr(8):
+                                for jj in cutlass.range_constexpr(4):
+                                    _sset(rS[g], VF, i, jj, _sget(rS[g], VF, i, jj) * rdec[i])
                     else:
-                        for i in cutlass.range_constexpr(8):
-                            for jj in cutlass.range_constexpr(4):
-                                _sset(rS, VF, i, jj, _sget(rS, VF, i, jj) * gam)
+                        for g in cutlass.range_constexpr(NC):
+                            for i in cutlass.range_constexpr(8):
+                                for jj in cutlass.range_constexpr(4):
+                                    _sset(rS[g], VF, i, jj, _sget(rS[g], VF, i, jj) * gam)
                     # ---- one batched reduction over K (16 lanes hold all of K) ----
-                    base = 8 if KDA else 4
+                    # red: [S'^T q for the thread's 4 NC columns, S'^T k for them (KDA), k.q, |q|^2, |k|^2]
+                    NCOL = 4 * NC
+                    base = 2 * NCOL if KDA else NCOL
                     NR = base + (0 if TOKS else NT)  # values reduced below (TOKS: k.q etc. are done)
                     red = cute.make_rmem_tensor((base + NT,), f32)
-                    for jj in cutlass.range_constexpr(4):
-                        aq = f32(0.0)
-                        for i in cutlass.range_constexpr(8):
-                            aq = aq + _sget(rS, VF, i, jj) * qf[i]
-                        red[jj] = aq
-                        if cutlass.const_expr(KDA):
-                            ak = f32(0.0)
+                    for g in cutlass.range_constexpr(NC):
+                        for jj in cutlass.range_constexpr(4):
+                            aq = f32(0.0)
                             for i in cutlass.range_constexpr(8):
-                                ak = ak + _sget(rS, VF, i, jj) * kf[i]
-                            red[4 + jj] = ak
+                                aq = aq + _sget(rS[g], VF, i, jj) * qf[i]
+                            red[4 * g + jj] = aq
+                            if cutlass.const_expr(KDA):
+                                ak = f32(0.0)
+                                for i in cutlass.range_constexpr(8):
+                                    ak = ak + _sget(rS[g], VF, i, jj) * kf[i]
+                                red[NCOL + 4 * g + jj] = ak
                     if cutlass.const_expr(TOKS):
                         for r in cutlass.range_constexpr(NT):
                             red[base + r] = tr[r]
@@ -489,25 +507,30 @@ class RecurrentDecode:
                         rqn = scale * cute.math.rsqrt(red[base + 1] + f32(1e-6), fastmath=False)
                         rkn = cute.math.rsqrt(red[base + 2] + f32(1e-6), fastmath=False)
                     kqn = red[base] * rkn
-                    ru = cute.make_rmem_tensor((4,), f32)
+                    ru = cute.make_rmem_tensor((NCOL,), f32)
                     if cutlass.const_expr(KDA):
                         if cutlass.const_expr(cfg.beta_sigmoid):
                             bt = sigmoid(bt)
                             if cutlass.const_expr(cfg.neg_eigval):
                                 bt = bt * f32(2.0)
-                        for jj in cutlass.range_constexpr(4):
-                            ru[jj] = bt * (vf[jj] - rkn * red[4 + jj])
+                        for g in cutlass.range_constexpr(NC):
+                            for jj in cutlass.range_constexpr(4):
+                                ru[4 * g + jj] = bt * (vf[g][jj] - rkn * red[NCOL + 4 * g + jj])
                     else:
+                        for g in cutlass.range_constexpr(NC):
+                            for jj in cutlass.range_constexpr(4):
+                                ru[4 * g + jj] = vf[g][jj]
+                    for g in cutlass.range_constexpr(NC):
                         for jj in cutlass.range_constexpr(4):
-                            ru[jj] = vf[jj]
-                    for jj in cutlass.range_constexpr(4):
-                        ro4[jj] = (rqn * (red[jj] + kqn * ru[jj])).to(mO.element_type)
+                            ro4[g][jj] = (rqn * (red[4 * g + jj] + kqn * ru[4 * g + jj])).to(mO.element_type)
                     for i in cutlass.range_constexpr(8):
                         ki = kf[i] * rkn
-                        for jj in cutlass.range_constexpr(4):
-                            _sset(rS, VF, i, jj, _sget(rS, VF, i, jj) + ki * ru[jj])
+                        for g in cutlass.range_constexpr(NC):
+                            for jj in cutlass.range_constexpr(4):
+                                _sset(rS[g], VF, i, jj, _sget(rS[g], VF, i, jj) + ki * ru[4 * g + jj])
                     if wr:
-                        cute.autovec_copy(ro4, _vvec(mO[b, bos + t, hv, None], vc))
+                        for g in cutlass.range_constexpr(NC):
+                            cute.autovec_copy(ro4[g], _vvec(mO[b, bos + t, hv, None], vc + 8 * g))
                     # ---- per-token state write into the pool (FLA continuous batching) ----
                     if cutlass.const_expr(POOL != 0):
                         ws = Int64(-1)
@@ -519,18 +542,23 @@ class RecurrentDecode:
                             if t < mIdx.shape[1]:
                                 ws = Int64(mIdx[n, t])
                         if ws >= 0 and ws < Int64(mH0.shape[0]):
-                            cute.autovec_copy(rS, _state_view(VF, KVROW, mH0[ws, hv, None, None], vc, kl))
+                            for g in cutlass.range_constexpr(NC):
+                                cute.autovec_copy(rS[g], _state_view(VF, KVROW, mH0[ws, hv, None, None], vc + 8 * g,
+                                                                     kl))
 
                 if cutlass.const_expr(POOL == 0 and cfg.has_ht):
-                    cute.autovec_copy(rS, _state_view(VF, KVROW, mHt[n, hv, None, None], vc, kl))
+                    for g in cutlass.range_constexpr(NC):
+                        cute.autovec_copy(rS[g], _state_view(VF, KVROW, mHt[n, hv, None, None], vc + 8 * g, kl))
             else:
                 # padding / empty sequence: touch no state; zero its output rows
                 if cutlass.const_expr(POOL != 0):
-                    for jj in cutlass.range_constexpr(4):
-                        ro4[jj] = f32(0.0).to(mO.element_type)
+                    for g in cutlass.range_constexpr(NC):
+                        for jj in cutlass.range_constexpr(4):
+                            ro4[g][jj] = f32(0.0).to(mO.element_type)
                     if wr:
                         for t in cutlass.range(Tn, unroll=1):
-                            cute.autovec_copy(ro4, _vvec(mO[b, bos + t, hv, None], vc))
+                            for g in cutlass.range_constexpr(NC):
+                                cute.autovec_copy(ro4[g], _vvec(mO[b, bos + t, hv, None], vc + 8 * g))
 
         @cute.jit
         def launch(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
@@ -674,6 +702,10 @@ def representative_configs() -> list:
                  beta_sigmoid=True, pool=2, spec=True, has_ht=False, varlen=True, kv_rows=False))
     out.append(C(mode="lightning", g_dtype="float32", beta_dtype="float32", kv_rows=False))
     out.append(C(mode="kda", g_dtype="float32", beta_dtype="float32", l2_prefetch=False))
+    # kv_rows with 64-column CTAs (an 8 x 8 fragment per thread): KDA serving flags and lightning
+    out.append(C(mode="kda", l2norm=True, gate_in_kernel=True, has_A=True, has_bias=True, beta_sigmoid=True,
+                 bv=64))
+    out.append(C(mode="lightning", g_dtype="float32", beta_dtype="float32", bv=64))
     # KDA without the shared-memory token staging (tok_smem off): serving flags on both layouts
     for vf in (False, True):
         out.append(C(mode="kda", state_v_first=vf, l2norm=True, gate_in_kernel=True, has_A=True, has_bias=True,

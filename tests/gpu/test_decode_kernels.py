@@ -267,9 +267,8 @@ def test_lightning_no_initial_state():
 # KDA's per-token terms staged once per CTA in shared memory (tok_smem).
 # The same checks as above with the knob set, so every mapping a sweep can pick is already tested.
 TUNINGS = {"v2": {"kv_rows": False}, "no_l2_prefetch": {"l2_prefetch": False},
-           "bv16": {"bv": 16, "kv_rows": False, "tok_smem": False},
-           "bv64": {"bv": 64, "kv_rows": False, "tok_smem": False},
-           "no_tok_smem": {"tok_smem": False}}
+           "bv16": {"bv": 16, "kv_rows": False}, "bv64": {"bv": 64, "kv_rows": False},
+           "bv64_kv_rows": {"bv": 64}, "no_tok_smem": {"tok_smem": False}}
 
 
 @pytest.fixture(params=list(TUNINGS))
@@ -333,8 +332,8 @@ def test_tuned_kda_varlen_empty(tuned, with_h0):
 
 @pytest.mark.parametrize("vf,knobs", [(False, {"kv_rows": True}), (False, {"kv_rows": False}),
                                       (True, {"state_v_first": True}), (False, {"tok_smem": False}),
-                                      (True, {"state_v_first": True, "tok_smem": False})],
-                         ids=["kv-kv_rows", "kv-v2", "vk", "kv-no_tok_smem", "vk-no_tok_smem"])  # [V,K]: one mapping
+                                      (True, {"state_v_first": True, "tok_smem": False}), (False, {"bv": 64})],
+                         ids=["kv-kv_rows", "kv-v2", "vk", "kv-no_tok_smem", "vk-no_tok_smem", "kv-bv64"])
 def test_tuned_full_grid(vf, knobs):
     """Each state mapping on a serving-size step: 48 sequences x 32 heads x 4 column blocks = 6144
     CTAs (several waves), 2-D pool indices with speculative reads, padding sequences and skipped
