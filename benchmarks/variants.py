@@ -81,7 +81,8 @@ def main() -> None:
     ap.add_argument("--variants", default='{"default": {}, "v2": {"kv_rows": false}, '
                                           '"no_l2_prefetch": {"l2_prefetch": false}, '
                                           '"bv16": {"bv": 16, "kv_rows": false}, "bv64": {"bv": 64, "kv_rows": false}, '
-                                          '"bv64_kv_rows": {"bv": 64}, "no_tok_smem": {"tok_smem": false}}')
+                                          '"bv32": {"bv": 32}, "bv64_kv_rows": {"bv": 64}, '
+                                          '"no_tok_smem": {"tok_smem": false}}')
     ap.add_argument("--old-module", default=None, help="file of an earlier recurrent_decode.py ('old' row)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--batches", default="1,8,32,128,256")

@@ -169,3 +169,11 @@ def test_lightning_check():
     a = _lit()
     a["initial_state"] = _state(2, HV=4).transpose(2, 3)
     assert "initial_state strides" in lightning_decode.check(**a)
+
+
+def test_host_picks_wide_ctas_for_multi_token_steps_over_many_states():
+    from fla_cula.kernels.recurrent_decode import WIDE_MIN_STATES, choose_bv
+    assert choose_bv(False, True, WIDE_MIN_STATES) == 64
+    assert choose_bv(False, True, WIDE_MIN_STATES - 1) == 32      # small grids keep 2x the CTAs
+    assert choose_bv(False, False, 10 * WIDE_MIN_STATES) == 32    # single-token steps: 4 CTAs/SM
+    assert choose_bv(True, True, 10 * WIDE_MIN_STATES) == 32      # [V,K]: one mapping

@@ -14,7 +14,7 @@ import math
 import torch
 
 from fla_cula.kernels._host import FLOAT, I31, INT, KV, aligned, launch, qk_reason, seqs_reason, state_reason
-from fla_cula.kernels.recurrent_decode import DecodeConfig, get_kernel
+from fla_cula.kernels.recurrent_decode import DecodeConfig, choose_bv, get_kernel
 
 
 def check(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state,
@@ -145,6 +145,9 @@ def plan(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_st
     sig = bool(use_beta_sigmoid_in_kernel)
     na = num_accepted_tokens if pool else None
     o_dtype = (v if out is None else out).dtype
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    T = q.shape[1]
+    multi = (T > N) if cu_seqlens is not None else (T > 1 and not (pool and ssm_state_indices.ndim == 1))
     cfg = DecodeConfig(
         mode="kda", state_v_first=bool(state_v_first), qk_dtype=FLOAT[q.dtype], v_dtype=FLOAT[v.dtype],
         g_dtype=FLOAT[g.dtype], beta_dtype=FLOAT[beta.dtype], o_dtype=FLOAT[o_dtype],
@@ -155,10 +158,10 @@ def plan(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_st
         l2norm=bool(use_qk_l2norm_in_kernel), gate_in_kernel=gate, has_A=has_A,
         a_dtype=FLOAT[A_log.dtype] if has_A else "float32", has_bias=has_bias,
         bias_dtype=FLOAT[dt_bias.dtype] if has_bias else "float32",
-        has_lower_bound=has_lb, beta_sigmoid=sig, neg_eigval=sig and bool(allow_neg_eigval))
+        has_lower_bound=has_lb, beta_sigmoid=sig, neg_eigval=sig and bool(allow_neg_eigval),
+        bv=choose_bv(bool(state_v_first), multi, N * v.shape[2]))
     fn = get_kernel(cfg)
     dev = q.device
-    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     final_shape = (N, v.shape[2], KV, KV)
     scale, lb = float(scale), float(lower_bound) if has_lb else 0.0
     flat_A = has_A and A_log.ndim != 1

@@ -10,7 +10,7 @@ import math
 import torch
 
 from fla_cula.kernels._host import FLOAT, I31, INT, KV, aligned, launch, qk_reason, seqs_reason, state_reason
-from fla_cula.kernels.recurrent_decode import DecodeConfig, get_kernel
+from fla_cula.kernels.recurrent_decode import DecodeConfig, choose_bv, get_kernel
 
 
 def check(q, k, v, g_gamma, scale, initial_state, output_final_state, reverse, state_v_first,
@@ -62,15 +62,17 @@ def plan(q, k, v, g_gamma, scale, initial_state, output_final_state, reverse, st
     if r:
         return r, None
     has_ht = bool(output_final_state)
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    multi = q.shape[1] > (N if cu_seqlens is not None else 1)
     cfg = DecodeConfig(
         mode="lightning", state_v_first=bool(state_v_first), qk_dtype=FLOAT[q.dtype],
         v_dtype=FLOAT[v.dtype], g_dtype="float32", beta_dtype="float32",
         o_dtype=FLOAT[q.dtype], has_h0=initial_state is not None, has_ht=has_ht,
         varlen=cu_seqlens is not None,
-        cu_dtype=INT[cu_seqlens.dtype] if cu_seqlens is not None else "int32")
+        cu_dtype=INT[cu_seqlens.dtype] if cu_seqlens is not None else "int32",
+        bv=choose_bv(bool(state_v_first), multi, N * q.shape[2]))
     fn = get_kernel(cfg)
     dev, o_dtype, o_shape = q.device, q.dtype, v.shape
-    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     ht_shape = (N, q.shape[2], KV, KV)
     scale = float(scale)
 

@@ -329,7 +329,7 @@ class RecurrentDecode:
             lane = tidx % 32
             warp = tidx // 32
             if cutlass.const_expr(KVROW):
-                RP = 12 if NC == 1 else 20  # >= the values reduced per token (8 NC + 3 for KDA)
+                RP = 12 if NC == 1 else 20  # >= the values reduced per token, padded to 4 (8 NC + 3 for KDA)
                 sRed = cutlass.memory.SmemAllocator().allocate_tensor(
                     f32, cute.make_layout((2, 4, 8, RP), stride=(32 * RP, 8 * RP, RP, 1)),  # [parity, warp, vl, r]
                     byte_alignment=16)
@@ -452,7 +452,16 @@ class RecurrentDecode:
                     NCOL = 4 * NC
                     base = 2 * NCOL if KDA else NCOL
                     NR = base + (0 if TOKS else NT)  # values reduced below (TOKS: k.q etc. are done)
-                    red = cute.make_rmem_tensor((base + NT,), f32)
+                    # kv_rows, 16 values (KDA, tok_smem, two column groups): each of a warp's 4 row-lanes
+                    # finishes one 16-byte quarter of the cross-warp sums (-40 SASS per token). Not with
+                    # one group (6 registers over 4 CTAs/SM; the precomputed-gate spec 96 -> 160) nor
+                    # lightning's 9 values (unaligned quarters, +12 registers): there all lanes sum all.
+                    QUARTERS = KVROW and NC == 2 and NR == 16
+                    Q = (NR + 3) // 4
+                    red = cute.make_rmem_tensor((max(base + NT, 4 * Q),), f32)
+                    if cutlass.const_expr(QUARTERS and 4 * Q > NR):
+                        for r in cutlass.range_constexpr(NR, 4 * Q):
+                            red[r] = f32(0.0)
                     for g in cutlass.range_constexpr(NC):
                         for jj in cutlass.range_constexpr(4):
                             aq = f32(0.0)
@@ -480,7 +489,7 @@ class RecurrentDecode:
                                 kk = kk + kf[i] * kf[i]
                             red[base + 1] = qq
                             red[base + 2] = kk
-                    if cutlass.const_expr(KVROW):
+                    if cutlass.const_expr(KVROW and not QUARTERS):
                         # over the 4 row-lanes of a warp, then over the 4 warps through shared memory
                         # (double-buffered by token parity: one barrier per token is enough)
                         for sh in cutlass.range_constexpr(2):
@@ -496,6 +505,28 @@ class RecurrentDecode:
                             for w in cutlass.range_constexpr(4):
                                 acc = acc + sRed[par, w, lane % 8, r]
                             red[r] = acc
+                    elif cutlass.const_expr(QUARTERS):
+                        # as above, but row-lane kr sums only quarter kr of the values over the warps and
+                        # the quarters are gathered back with indexed shuffles
+                        for sh in cutlass.range_constexpr(2):
+                            for r in cutlass.range_constexpr(NR):
+                                red[r] = red[r] + cute.arch.shuffle_sync_bfly(red[r], offset=8 << sh)
+                        par = t % 2
+                        vl = lane % 8
+                        if lane < 8:
+                            for r in cutlass.range_constexpr(4 * Q):
+                                sRed[par, warp, lane, r] = red[r]
+                        cute.arch.barrier()
+                        part = cute.make_rmem_tensor((Q,), f32)
+                        part.fill(0.0)
+                        for w in cutlass.range_constexpr(4):
+                            qv = cute.make_rmem_tensor((Q,), f32)
+                            src = cute.make_tensor(sRed[par, w, vl, None].iterator + (lane // 8) * Q,
+                                                   cute.make_layout((Q,), stride=(1,)))
+                            cute.autovec_copy(_al(src, 16 if Q % 4 == 0 else 4), qv)
+                            part.store(part.load() + qv.load())
+                        for r in cutlass.range_constexpr(NR):
+                            red[r] = cute.arch.shuffle_sync(part[r % Q], offset=vl + 8 * (r // Q))
                     else:
                         for sh in cutlass.range_constexpr(4):
                             for r in cutlass.range_constexpr(NR):
@@ -648,6 +679,19 @@ class RecurrentDecode:
             return self.jit_fn(), self.fake_args()
 
         return KernelSpec("recurrent_decode", self.cfg.key(), build, expect_ptx=self.expect_ptx())
+
+
+# Host policy (measured, docs/decode_kernels.md "v7"): [K,V] multi-token steps over many states take
+# 64-column CTAs (an 8 x 8 fragment per thread: fewer instructions per state element on the serial
+# token chain; T=4 -5..-14% at B >= 32), single-token steps and small grids 32-column CTAs
+# (4 CTAs/SM instead of 3 and twice the CTAs: T=1 1-2% faster, T=4 at B <= 8 4-11% faster).
+WIDE_MIN_STATES = 1024
+
+
+def choose_bv(state_v_first: bool, multi_token: bool, n_states: int) -> int:
+    """Value columns per CTA for a call: `multi_token` = some sequence has more than one token,
+    `n_states` = sequences x value heads."""
+    return 64 if not state_v_first and multi_token and n_states >= WIDE_MIN_STATES else 32
 
 
 _fn_cache: dict = {}
