@@ -103,7 +103,7 @@ def main() -> None:
         old = importlib.util.module_from_spec(spec)
         sys.modules["rd_old"] = old  # dataclasses look their module up while the class is built
         src = open(a.old_module).read().replace('KernelSpec("recurrent_decode"', 'KernelSpec("recurrent_decode_old"')
-        exec(compile(src, a.old_module, "exec"), old.__dict__)
+        exec(compile(src, a.old_module, "exec", dont_inherit=True), old.__dict__)  # no __future__ annotations
         mods = {"old": (old, {}), **mods}
     ceil = measure_ceilings()
     bw = ceil["copy_bw"]
