@@ -268,8 +268,7 @@ def test_lightning_no_initial_state():
 # The same checks as above with the knob set, so every mapping a sweep can pick is already tested.
 TUNINGS = {"v2": {"kv_rows": False}, "no_l2_prefetch": {"l2_prefetch": False},
            "bv16": {"bv": 16, "kv_rows": False}, "bv64": {"bv": 64, "kv_rows": False},
-           "bv64_kv_rows": {"bv": 64}, "bv64_kv_rows_4ctas": {"bv": 64, "min_ctas": 4},
-           "no_tok_smem": {"tok_smem": False}}
+           "bv64_kv_rows": {"bv": 64}, "no_tok_smem": {"tok_smem": False}}
 
 
 @pytest.fixture(params=list(TUNINGS))
