@@ -51,13 +51,20 @@ def _load(path: str, name: str):
     return mod
 
 
-def _sass(mod, kw: dict) -> list[str]:
+def cuobjdump(mod, kw: dict, *flags: str) -> list[str]:
+    """Compile DecodeConfig(**kw) of a recurrent_decode module for sm_90a; cuobjdump's output for each
+    flag ("-sass", "-res-usage", ...)."""
     from fla_cula.jit import compile_spec
 
     with tempfile.TemporaryDirectory() as d:
         compile_spec(mod.RecurrentDecode(mod.DecodeConfig(**kw)).spec(), keep_ptx_dir=d)
         cubin = [p for p in glob.glob(d + "/**/*", recursive=True) if p.endswith((".cubin", ".o", ".elf"))][0]
-        text = subprocess.run([_cuobjdump(), "-sass", cubin], capture_output=True, text=True, check=True).stdout
+        return [subprocess.run([_cuobjdump(), f, cubin], capture_output=True, text=True, check=True).stdout
+                for f in flags]
+
+
+def _sass(mod, kw: dict) -> list[str]:
+    text, = cuobjdump(mod, kw, "-sass")
     return [re.sub(r"/\*[0-9a-f]{4}\*/", "", line.split(";")[0]).strip()
             for line in text.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
 

@@ -11,31 +11,22 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from scripts.sass_diff import _cuobjdump  # noqa: E402
+from scripts.sass_diff import cuobjdump  # noqa: E402
 
 _INSTR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
 def compile_sass(kw: dict) -> tuple[str, str]:
-    from fla_cula.jit import compile_spec
-    from fla_cula.kernels import recurrent_decode as rd
+    from fla_cula.kernels import recurrent_decode
 
-    with tempfile.TemporaryDirectory() as d:
-        compile_spec(rd.RecurrentDecode(rd.DecodeConfig(**kw)).spec(), keep_ptx_dir=d)
-        cubin = [p for p in glob.glob(d + "/**/*", recursive=True) if p.endswith((".cubin", ".o", ".elf"))][0]
-        sass = subprocess.run([_cuobjdump(), "-sass", cubin], capture_output=True, text=True, check=True).stdout
-        res = subprocess.run([_cuobjdump(), "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
-    return sass, res
+    return tuple(cuobjdump(recurrent_decode, kw, "-sass", "-res-usage"))
 
 
 def token_loop(instrs: list[tuple[int, str, str]]) -> tuple[int, int]:
