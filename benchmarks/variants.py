@@ -4,8 +4,11 @@ docs/decode_kernels.md; not part of the report.
 
     python -m benchmarks.variants [--variants JSON] [--old-module path/to/old_recurrent_decode.py]
 
-A variant is a dict of DecodeConfig fields (e.g. {"prefetch_next": false}); "old" runs a previous
-version of the kernel module from a file, for before/after comparisons in one process.
+A variant is a dict of DecodeConfig fields (e.g. {"prefetch_next": false}) plus "mma": whether
+multi-token KDA steps without a pool run on the tensor-core kernel (recurrent_decode_mma; default
+true, as in production), or a dict of its MmaDecodeConfig knobs (e.g. {"min_ctas": 4});
+"old" runs a previous version of the kernel module from a file, for before/after comparisons in
+one process.
 """
 
 from __future__ import annotations
@@ -56,7 +59,11 @@ def _graph_us(fn) -> float:
 def _use(mod_rd, variant: dict):
     """Route the host wrappers to `mod_rd` (a recurrent_decode module) with `variant` tuning knobs."""
     from fla_cula import routing
-    from fla_cula.kernels import kda_decode, lightning_decode, recurrent_decode
+    from fla_cula.kernels import kda_decode, lightning_decode, recurrent_decode, recurrent_decode_mma
+    variant = dict(variant)
+    m = variant.pop("mma", mod_rd is recurrent_decode)  # False, True or a dict of MmaDecodeConfig knobs
+    recurrent_decode_mma.set_enabled(bool(m) or m == {})
+    recurrent_decode_mma.set_tuning(**(m if isinstance(m, dict) else {}))
     if mod_rd is recurrent_decode:
         routing.clear_plans()
         for host in (kda_decode, lightning_decode):

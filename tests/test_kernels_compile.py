@@ -11,6 +11,7 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from fla_cula import jit  # noqa: E402
 from fla_cula.kernels import kda_decode, lightning_decode  # noqa: E402
+from fla_cula.kernels import recurrent_decode_mma as mma  # noqa: E402
 from fla_cula.kernels.recurrent_decode import DecodeConfig, RecurrentDecode, representative_configs  # noqa: E402
 
 CFGS = representative_configs()
@@ -177,3 +178,52 @@ def test_host_picks_wide_ctas_for_multi_token_steps_over_many_states():
     assert choose_bv(False, True, WIDE_MIN_STATES - 1) == 32      # small grids keep 2x the CTAs
     assert choose_bv(False, False, 10 * WIDE_MIN_STATES) == 32    # single-token steps: 4 CTAs/SM
     assert choose_bv(True, True, 10 * WIDE_MIN_STATES) == 32      # [V,K]: one mapping
+
+
+MMA_CFGS = mma.representative_configs()
+
+
+@pytest.mark.parametrize("cfg", MMA_CFGS, ids=[f"{'vk' if c.state_v_first else 'kv'}-varlen{int(c.varlen)}"
+                                                f"-h0{int(c.has_h0)}-gate{int(c.gate_in_kernel)}" for c in MMA_CFGS])
+def test_mma_decode_compiles_without_local_memory(cfg):
+    """The multi-token kernel: tensor-core MMAs in the PTX (m16n8k8 and m16n8k4 TF32), the 64-element
+    state fragment in registers."""
+    spec = mma.RecurrentDecodeMma(cfg).spec()
+    with tempfile.TemporaryDirectory() as d:
+        ptx = jit.compile_spec(spec, keep_ptx_dir=d).__ptx__
+    assert jit.missing_ptx(spec, ptx) == []
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+def test_mma_host_policy():
+    """Multi-token KDA steps without a pool go to the tensor-core kernel; pools, single tokens,
+    lightning stay on the token kernel; its compile key is the DecodeConfig's relevant part."""
+    kda = DecodeConfig(l2norm=True, gate_in_kernel=True, has_A=True, bv=64)
+    assert mma.serves(kda, True) and not mma.serves(kda, False)
+    assert not mma.serves(DecodeConfig(pool=2, spec=True, has_ht=False), True)
+    assert not mma.serves(DecodeConfig(mode="lightning"), True)
+    m = mma.MmaDecodeConfig.from_decode(kda)
+    assert m.l2norm and m.has_A and "bv" not in dict(m.key())
+    assert m == mma.MmaDecodeConfig.from_decode(DecodeConfig(l2norm=True, gate_in_kernel=True, has_A=True))
+    with pytest.raises(ValueError, match="without state pools"):
+        mma.MmaDecodeConfig.from_decode(DecodeConfig(pool=1))
+    try:
+        mma.set_enabled(False)
+        assert not mma.serves(kda, True)
+    finally:
+        mma.set_enabled(True)
+
+
+def test_kda_plan_routes_multi_token_steps_to_mma(monkeypatch):
+    """plan() on meta tensors picks the kernel without compiling (get_kernel stubbed)."""
+    seen = []
+    monkeypatch.setattr(mma, "get_kernel", lambda cfg: seen.append(("mma", cfg)) or (lambda *a: None))
+    monkeypatch.setattr(kda_decode, "get_kernel", lambda cfg: seen.append(("token", cfg)) or (lambda *a: None))
+    for T, expect in ((1, "token"), (4, "mma")):
+        r, go = kda_decode.plan(*_kda(T=T).values())
+        assert r is None and seen[-1][0] == expect
+    a = _kda(T=2)
+    a.update(initial_state=_state(9), inplace_final_state=True,
+             ssm_state_indices=torch.zeros(2, 4, dtype=torch.int32, device="meta"))
+    r, go = kda_decode.plan(*a.values())
+    assert r is None and seen[-1][0] == "token"

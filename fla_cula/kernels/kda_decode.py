@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from fla_cula.kernels import recurrent_decode_mma as mma
 from fla_cula.kernels._host import FLOAT, I31, INT, KV, aligned, launch, qk_reason, seqs_reason, state_reason
 from fla_cula.kernels.recurrent_decode import DecodeConfig, choose_bv, get_kernel
 
@@ -160,7 +161,8 @@ def plan(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_st
         bias_dtype=FLOAT[dt_bias.dtype] if has_bias else "float32",
         has_lower_bound=has_lb, beta_sigmoid=sig, neg_eigval=sig and bool(allow_neg_eigval),
         bv=choose_bv(bool(state_v_first), multi, N * v.shape[2]))
-    fn = get_kernel(cfg)
+    # multi-token steps without a pool: the chunked tensor-core kernel; the rest: the token-by-token one
+    fn = mma.get_kernel(mma.MmaDecodeConfig.from_decode(cfg)) if mma.serves(cfg, multi) else get_kernel(cfg)
     dev = q.device
     final_shape = (N, v.shape[2], KV, KV)
     scale, lb = float(scale), float(lower_bound) if has_lb else 0.0

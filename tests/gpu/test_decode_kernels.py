@@ -273,9 +273,10 @@ TUNINGS = {"v2": {"kv_rows": False}, "no_l2_prefetch": {"l2_prefetch": False},
 
 @pytest.fixture(params=list(TUNINGS))
 def tuned(request):
-    from fla_cula.kernels import recurrent_decode
+    from fla_cula.kernels import recurrent_decode, recurrent_decode_mma
     knobs = TUNINGS[request.param]
     recurrent_decode.set_tuning(**knobs)
+    recurrent_decode_mma.set_enabled(False)  # multi-token steps too: the knobs are the token kernel's
     try:
         state = dict(knobs)
         yield state
@@ -284,6 +285,7 @@ def tuned(request):
             assert ran, f"no kernel with {knobs} ran"
     finally:
         recurrent_decode.set_tuning()
+        recurrent_decode_mma.set_enabled(True)
 
 
 @pytest.mark.parametrize("T", [1, 4])
@@ -426,3 +428,170 @@ def test_memoized_plans_follow_the_arguments(monkeypatch):
             fused_recurrent_kda(qg, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0.clone(),
                                 output_final_state=True, **kw)
         assert routing.last_route()[1] == "fallback: grad enabled: forward-only kernel"
+
+
+# ---------------------------------------------------------------------------------------------
+# The multi-token kernel (recurrent_decode_mma: chunks of 4 tokens in WY form on tensor cores).
+# The tests above already run it for every multi-token call without a pool (T = 2, 4, 8, varlen,
+# GVA, dtypes, graph capture); these add tails, long steps, extreme gates, and both kernels side by
+# side on the same inputs, and check which kernel ran.
+@pytest.fixture
+def mma_calls(monkeypatch):
+    """The MmaDecodeConfigs the host compiled or looked up during the test (plans are forgotten first,
+    so every call signature of the test asks again)."""
+    from fla_cula import routing
+    from fla_cula.kernels import recurrent_decode_mma
+    seen = []
+    real = recurrent_decode_mma.get_kernel
+
+    def spy(cfg):
+        seen.append(cfg)
+        return real(cfg)
+
+    monkeypatch.setattr(recurrent_decode_mma, "get_kernel", spy)
+    routing.clear_plans()
+    yield seen
+    routing.clear_plans()
+
+
+def _kda_case(B, T, H, HV, vf, gname, seed, h0=True, flags="l2_sig"):
+    q, k, v, g, beta, A_log, dt_bias = _inputs(B, T, H, HV, gate="none" if gname == "precomputed" else "raw",
+                                               seed=seed)
+    f = dict(use_qk_l2norm_in_kernel=flags != "plain", use_beta_sigmoid_in_kernel=flags != "plain",
+             allow_neg_eigval=flags == "l2_sig_neg")
+    if flags == "plain":
+        k = (k.float() / k.float().norm(dim=-1, keepdim=True)).to(k.dtype)
+    kw = dict(_kw(gname, A_log, dt_bias), **f, state_v_first=vf)
+    shape = (B, HV, 128, 128)
+    return (q, k, v, g, beta), kw, (torch.randn(*shape, device=DEV) if h0 else None)
+
+
+@pytest.mark.parametrize("T", [3, 5, 7, 13, 64])
+@pytest.mark.parametrize("vf", [False, True], ids=["kv", "vk"])
+def test_mma_tails_and_long_steps(mma_calls, T, vf):
+    """Chunk tails (T % 4 != 0) and many chunks (T = 64: FLA's layer runs fused_recurrent for T <= 64
+    in inference): fp64 reference and FLA on the same inputs."""
+    from fla_cula.ops.kda import FLA_FUSED_RECURRENT_KDA, fused_recurrent_kda
+    from fla_cula.reference import kda_recurrent
+    x, kw, h0 = _kda_case(2, T, 2, 4, vf, "softplus", seed=T)
+    o, ht = fused_recurrent_kda(*x, initial_state=h0.clone(), output_final_state=True, **kw)
+    assert mma_calls, "the multi-token kernel did not run"
+    ro, rht = kda_recurrent(*x, initial_state=h0, output_final_state=True, **kw)
+    assert _rr(ro, o) <= TOL and _rr(rht, ht) <= TOL, (_rr(ro, o), _rr(rht, ht))
+    fo, fht = FLA_FUSED_RECURRENT_KDA(*x, initial_state=h0.clone(), output_final_state=True, **kw)
+    assert _rr(ro, fo) <= 0.005 and _rr(rht, fht) <= 0.005
+
+
+@pytest.mark.parametrize("vf", [False, True], ids=["kv", "vk"])
+def test_mma_extreme_gates(mma_calls, vf):
+    """Decays that underflow to 0 within a chunk (log decay down to -300 per token, and a softplus gate
+    with exp(A_log) = 4 on inputs up to +30) and decays of exactly 1: products formed by multiplication
+    stay finite where exp of a cumulative difference would overflow."""
+    from fla_cula.ops.kda import fused_recurrent_kda
+    from fla_cula.reference import kda_recurrent
+    B, T, H, HV = 2, 8, 2, 4
+    x, kw, h0 = _kda_case(B, T, H, HV, vf, "precomputed", seed=4)
+    q, k, v, g, beta = x
+    g = g.float()
+    g[:, 1, :, :64] = -300.0    # token 1 forgets half of K completely
+    g[:, 2] = 0.0               # token 2: no decay at all
+    g[:, 5, :, ::3] = -90.0     # exp(-90) ~ 1e-39: float32 denormal range
+    o, ht = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0.clone(), output_final_state=True, **kw)
+    ro, rht = kda_recurrent(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert _rr(ro, o) <= TOL and _rr(rht, ht) <= TOL, (_rr(ro, o), _rr(rht, ht))
+    # softplus gate, strong: a = -16 softplus(g + dt_bias) with g up to +30
+    x, kw, h0 = _kda_case(B, T, H, HV, vf, "softplus", seed=5)
+    q, k, v, g, beta = x
+    kw["A_log"] = torch.full_like(kw["A_log"], 4.0).log()
+    g = (g.float() * 10).to(g.dtype)
+    o, ht = fused_recurrent_kda(q, k, v, g, beta, initial_state=h0.clone(), output_final_state=True, **kw)
+    ro, rht = kda_recurrent(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert _rr(ro, o) <= TOL and _rr(rht, ht) <= TOL, (_rr(ro, o), _rr(rht, ht))
+    assert mma_calls
+
+
+@pytest.mark.parametrize("T", [2, 4, 8])
+@pytest.mark.parametrize("vf", [False, True], ids=["kv", "vk"])
+@pytest.mark.parametrize("gname", ["precomputed", "lb_noA", "softplus_nobias"])
+@pytest.mark.parametrize("flags", ["plain", "l2_sig_neg"])
+def test_mma_and_token_kernel_agree(mma_calls, T, vf, gname, flags):
+    """Both kernels on the same multi-token inputs: each within the fp64 bar, and the tensor-core one
+    no less accurate than the token-by-token one beyond float32 noise (3xTF32 is fp32-class)."""
+    from fla_cula.kernels import recurrent_decode_mma
+    from fla_cula.ops.kda import fused_recurrent_kda
+    from fla_cula.reference import kda_recurrent
+    x, kw, h0 = _kda_case(3, T, 2, 4, vf, gname, seed=T + 100, flags=flags)
+    ro, rht = kda_recurrent(*x, initial_state=h0, output_final_state=True, **kw)
+    errs = {}
+    for on in (True, False):
+        recurrent_decode_mma.set_enabled(on)
+        try:
+            o, ht = fused_recurrent_kda(*x, initial_state=h0.clone(), output_final_state=True, **kw)
+        finally:
+            recurrent_decode_mma.set_enabled(True)
+        errs[on] = (_rr(ro, o), _rr(rht, ht))
+        assert errs[on][0] <= TOL and errs[on][1] <= TOL, (on, errs[on])
+    assert len(mma_calls) == 1  # the enabled call only
+    # states: the bf16 output rounding does not mask them; allow float32-level slack (1e-6 relative)
+    assert errs[True][1] <= errs[False][1] * 2 + 2e-6, errs
+
+
+def test_mma_no_initial_state_no_final_state(mma_calls):
+    """initial_state None (the state starts at zero) and no final state requested (nothing written)."""
+    from fla_cula.ops.kda import fused_recurrent_kda
+    from fla_cula.reference import kda_recurrent
+    x, kw, _ = _kda_case(2, 6, 2, 4, True, "lb_A_bias", seed=8, h0=False)
+    o, ht = fused_recurrent_kda(*x, output_final_state=False, **kw)
+    assert ht is None
+    ro, _ = kda_recurrent(*x, output_final_state=False, **kw)
+    assert _rr(ro, o) <= TOL
+    o2, ht2 = fused_recurrent_kda(*x, output_final_state=True, **kw)
+    ro2, rht2 = kda_recurrent(*x, output_final_state=True, **kw)
+    assert torch.equal(o, o2) and _rr(rht2, ht2) <= TOL
+    assert mma_calls
+
+
+def test_mma_fwd_preallocated_out_poisoned(mma_calls):
+    """fused_recurrent_kda_fwd with a NaN-poisoned `out` and an in-place state (no indices), varlen with
+    an empty sequence and lengths 1..9: every output row is written, the empty sequence's state is
+    unchanged, and the call does not touch q/k/v/g/beta."""
+    from fla_cula.ops.kda import fused_recurrent_kda_fwd
+    from fla_cula.reference import kda_recurrent
+    lens = [9, 1, 0, 4, 2, 5]
+    Tt = sum(lens)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=DEV, dtype=torch.int32)
+    q, k, v, g, beta, A_log, dt_bias = _inputs(1, Tt, 2, 4, gate="raw", seed=13)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+              use_beta_sigmoid_in_kernel=True, state_v_first=True)
+    h0 = torch.randn(len(lens), 4, 128, 128, device=DEV)
+    ins = [x.clone() for x in (q, k, v, g, beta)]
+    state = h0.clone()
+    out = _nan_like(v)
+    o, fs = fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=state, cu_seqlens=cu, out=out, **kw)
+    assert o is out and fs is state and not torch.isnan(out).any()
+    ro, rht = kda_recurrent(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu.long(),
+                            **kw)
+    assert _rr(ro, out) <= TOL and _rr(rht, state) <= TOL
+    assert torch.equal(state[2], h0[2])
+    assert all(torch.equal(a, b) for a, b in zip(ins, (q, k, v, g, beta), strict=True))
+    assert mma_calls
+
+
+def test_mma_not_for_pools(mma_calls):
+    """State pools keep FLA's per-token slot writes on the token-by-token kernel."""
+    test_kda_pool_2d(False, True, torch.int32)
+    assert not mma_calls
+
+
+@pytest.mark.parametrize("vf", [False, True], ids=["kv", "vk"])
+def test_mma_full_grid(mma_calls, vf):
+    """A serving-size multi-token step (B=48, HV=32, T=4: 3072 CTAs, several waves) against fp64."""
+    from fla_cula.ops.kda import fused_recurrent_kda
+    from fla_cula.reference import kda_recurrent
+    x, kw, h0 = _kda_case(48, 4, 16, 32, vf, "softplus", seed=31)
+    o, ht = fused_recurrent_kda(*x, initial_state=h0.clone(), output_final_state=True, **kw)
+    ro, rht = kda_recurrent(*x, initial_state=h0, output_final_state=True, **kw)
+    assert _rr(ro, o) <= TOL and _rr(rht, ht) <= TOL, (_rr(ro, o), _rr(rht, ht))
+    assert mma_calls
