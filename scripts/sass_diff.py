@@ -54,10 +54,15 @@ def _load(path: str, name: str):
 def cuobjdump(mod, kw: dict, *flags: str) -> list[str]:
     """Compile DecodeConfig(**kw) of a recurrent_decode module for sm_90a; cuobjdump's output for each
     flag ("-sass", "-res-usage", ...)."""
+    return cuobjdump_spec(mod.RecurrentDecode(mod.DecodeConfig(**kw)).spec(), *flags)
+
+
+def cuobjdump_spec(spec, *flags: str) -> list[str]:
+    """cuobjdump's output for each flag on any KernelSpec compiled for sm_90a."""
     from fla_cula.jit import compile_spec
 
     with tempfile.TemporaryDirectory() as d:
-        compile_spec(mod.RecurrentDecode(mod.DecodeConfig(**kw)).spec(), keep_ptx_dir=d)
+        compile_spec(spec, keep_ptx_dir=d)
         cubin = [p for p in glob.glob(d + "/**/*", recursive=True) if p.endswith((".cubin", ".o", ".elf"))][0]
         return [subprocess.run([_cuobjdump(), f, cubin], capture_output=True, text=True, check=True).stdout
                 for f in flags]

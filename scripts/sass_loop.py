@@ -1,4 +1,5 @@
 """What one decode config compiles to: ``python scripts/sass_loop.py '{"bv": 64, "l2norm": true}'``
+(``--mma``: an MmaDecodeConfig of the tensor-core multi-token kernel; its loop is one chunk of 4 tokens)
 
 Compiles a DecodeConfig (JSON of fields over the defaults; mode "kda" by default) for sm_90a on this
 CPU machine and prints its registers, spill instructions, total SASS and the token loop (the
@@ -18,12 +19,16 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from scripts.sass_diff import cuobjdump  # noqa: E402
+from scripts.sass_diff import cuobjdump, cuobjdump_spec  # noqa: E402
 
 _INSTR = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
-def compile_sass(kw: dict) -> tuple[str, str]:
+def compile_sass(kw: dict, mma: bool = False) -> tuple[str, str]:
+    if mma:
+        from fla_cula.kernels import recurrent_decode_mma as m
+
+        return tuple(cuobjdump_spec(m.RecurrentDecodeMma(m.MmaDecodeConfig(**kw)).spec(), "-sass", "-res-usage"))
     from fla_cula.kernels import recurrent_decode
 
     return tuple(cuobjdump(recurrent_decode, kw, "-sass", "-res-usage"))
@@ -43,11 +48,12 @@ def token_loop(instrs: list[tuple[int, str, str]]) -> tuple[int, int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("config", nargs="?", default="{}", help="DecodeConfig fields as JSON")
+    ap.add_argument("config", nargs="?", default="{}", help="DecodeConfig (MmaDecodeConfig) fields as JSON")
+    ap.add_argument("--mma", action="store_true", help="the tensor-core multi-token kernel")
     ap.add_argument("--top", type=int, default=16, help="opcodes to list")
     a = ap.parse_args()
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    sass, res = compile_sass(json.loads(a.config))
+    sass, res = compile_sass(json.loads(a.config), a.mma)
     instrs = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in map(_INSTR.match, sass.splitlines()) if m]
     regs = re.search(r"REG:(\d+)", res)
     stack = re.search(r"STACK:(\d+)", res)
@@ -56,7 +62,8 @@ def main() -> int:
     body = [op for addr, op, _ in instrs if lo <= addr <= hi]
     print(f"registers {regs.group(1) if regs else '?'}  stack {stack.group(1) if stack else '?'} B  "
           f"spill instructions {spills}  SASS {len(instrs)}")
-    print(f"token loop 0x{lo:x}-0x{hi:x}: {len(body)} instructions per token")
+    print(f"{'chunk' if a.mma else 'token'} loop 0x{lo:x}-0x{hi:x}: {len(body)} instructions per "
+          f"{'chunk of 4 tokens' if a.mma else 'token'}")
     for op, n in collections.Counter(body).most_common(a.top):
         print(f"  {n:5d}  {op}")
     return 0
