@@ -1,17 +1,20 @@
 """Build script: the pure-Python package plus the optional CUDA C++ extension ``fla_cula._C``.
 
 Project metadata and dependencies live in pyproject.toml. This file only adds the extension:
-a pybind11 module built from ``csrc/`` that does NOT link libtorch (kernels take raw device
-pointers, sizes and the CUDA stream as integers), so one build serves every torch version. It
-must still be built once per Python version (the file name carries the ABI tag).
+a pybind11 module built from ``csrc/`` that does NOT link libtorch (kernels read their tensor
+arguments through DLPack, csrc/common/dlpack_tensor.h), so one build serves every torch version.
+It must still be built once per Python version (the file name carries the ABI tag).
 
 - ``.cu`` files are compiled by nvcc for sm_90a (in parallel when there are several), ``.cpp``
   files (the pybind11 binding) by the host C++ compiler, and the result is linked against the
   static CUDA runtime, so the module needs neither libtorch nor libcudart at run time.
 - CUTLASS/CuTe headers: ``$CUTLASS_HOME/include``, else the ``nvidia-cutlass`` wheel
   (``cutlass_library/source/include``).
+- DLPack header (``dlpack/dlpack.h``, >= 1.2): from the ``apache-tvm-ffi`` wheel.
+- Every build requirement is listed once, in pyproject.toml ``[build-system] requires`` (README's
+  build-deps line installs the same list for ``--no-build-isolation``).
 - The extension is skipped, with a message saying why, when ``FLA_CULA_NO_EXT=1``, when nvcc is
-  not found (or older than 12.0), or when pybind11 / the CUTLASS headers are missing. The package
+  not found (or older than 12.0), or when pybind11 / the CUTLASS headers / dlpack.h are missing. The package
   works without it. ``FLA_CULA_REQUIRE_EXT=1`` turns every skip or build failure into an error
   (CI uses it so a broken build cannot pass silently).
 
@@ -97,8 +100,8 @@ def _nvcc_version(nvcc: str) -> tuple[int, int] | None:
 
 
 def _find_dlpack_include() -> str | None:
-    """The DLPack header (>= 1.2, with the C exchange API) shipped by apache-tvm-ffi, a pinned runtime
-    dependency; found without importing it. None when tvm-ffi is not installed at build time."""
+    """The DLPack header (>= 1.2, with the C exchange API) shipped by apache-tvm-ffi, a build
+    requirement; found without importing it. None when tvm-ffi is not installed at build time."""
     import importlib.util
 
     spec = importlib.util.find_spec("tvm_ffi")
@@ -243,6 +246,12 @@ def _extension() -> list[Extension]:
         import pybind11
     except ImportError:
         return skip("pybind11 is not installed (pip install 'pybind11>=3.0')")
+    dlpack_inc = _find_dlpack_include()
+    if dlpack_inc is None:
+        return skip(
+            "dlpack/dlpack.h not found: apache-tvm-ffi is not installed "
+            "(a build requirement, see pyproject.toml [build-system] requires)"
+        )
     lib_dirs = _cuda_lib_dirs(cuda_home)
     if not lib_dirs:
         return skip(f"libcudart_static.a not found under {cuda_home}")
@@ -258,6 +267,7 @@ def _extension() -> list[Extension]:
         "-fPIC",
         "-Xcompiler",
         "-fvisibility=hidden",
+        "-Xptxas=-warn-spills",
         f"-I{cutlass_inc}",
         f"-I{CSRC}",
         *defines,
@@ -265,19 +275,14 @@ def _extension() -> list[Extension]:
     ]
     sources = sorted(str(p.relative_to(ROOT)) for p in CSRC.rglob("*.cu"))
     sources += sorted(str(p.relative_to(ROOT)) for p in CSRC.rglob("*.cpp"))
-    dlpack_inc = _find_dlpack_include()
     macros = [("FLA_CULA_VERSION", f'"{_version()}"'), ("FLA_CULA_BUILT_ARCH", f'"{BUILT_ARCH}"')]
-    if dlpack_inc:
-        macros.append(("FLA_CULA_HAVE_DLPACK", "1"))
-    else:
-        _log("dlpack/dlpack.h (apache-tvm-ffi) not found: building without call_signature (Python fallback)")
 
     ext = Extension(
         EXT_NAME,
         sources=sources,
         # Every csrc file: a header change relinks (the nvcc objects are tracked by _compile_cuda).
         depends=sorted(str(p.relative_to(ROOT)) for p in CSRC.rglob("*") if p.is_file()),
-        include_dirs=[pybind11.get_include(), str(CSRC)] + ([dlpack_inc] if dlpack_inc else []),
+        include_dirs=[pybind11.get_include(), str(CSRC), dlpack_inc],
         define_macros=macros,
         extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden"],
         library_dirs=lib_dirs,

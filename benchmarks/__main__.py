@@ -1,13 +1,20 @@
 """python -m benchmarks [--quick] [--out DIR] [--only NAME ...] [--modes MODE ...] [--list]
+   python -m benchmarks prefill [--peers] [--quick] [--rows ...] [--regimes ...]   (benchmarks/peers.py)
+   python -m benchmarks model [--rows ...] [--layers 4 24]                          (benchmarks/model.py)
+   python -m benchmarks report [--add RUN.json ...] [--json PATH] [--md PATH]   (merge runs, rebuild the md)
 
 Times FLA 0.6.0 and fla_cula side by side (see benchmarks/harness.py and benchmarks/registry.py).
 Writes BENCHMARK_<tag>.md (default: repo root) and benchmarks/results/<tag>.json; with --out DIR
-both go to DIR (BENCHMARK_<tag>.md and benchmark_<tag>.json).
+both go to DIR (BENCHMARK_<tag>.md and benchmark_<tag>.json). Every command merges its records
+into that JSON (the op grid replaces the op-grid records; prefill and model replace records of the
+rows they ran) and regenerates the markdown from all of them, so the peer and model tables and
+the op tables of separate runs end up in one report.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -15,7 +22,20 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+SUBCOMMANDS = ("prefill", "model", "report")
+
+
 def main(argv: list[str] | None = None) -> int:
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if args_in and args_in[0] in SUBCOMMANDS:
+        cmd, rest = args_in[0], args_in[1:]
+        if cmd == "prefill":
+            from benchmarks import peers
+            return peers.main(rest)
+        if cmd == "model":
+            from benchmarks import model
+            return model.main(rest)
+        return report_main(rest)
     from benchmarks.registry import registry
 
     benches = registry()
@@ -46,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from benchmarks.peers import disable_fla_flash_kda
+
     if not torch.cuda.is_available():
         print("benchmarks: no CUDA device; nothing to time (use --list to see the grid).", file=sys.stderr)
         return 2
@@ -56,10 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     from parity.machine import machine_header
     from parity.runner import cula_functions, fla_functions
 
+    flash_off = disable_fla_flash_kda()  # FLA rows = FLA's Triton kernels (read at call time: see peers.py)
     fns = {"fla": fla_functions(), "fla_cula": cula_functions()}
     device = torch.device("cuda", torch.cuda.current_device())
     header = machine_header()
     header["grid"] = "quick" if args.quick else "full"
+    header["FLA_FLASH_KDA"] = f"0 (FLA's FlashKDA backend disabled: {flash_off})"
     header["command"] = "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:])
     t_start = time.perf_counter()
     print(f"benchmarks: {len(plan)} shapes on {header['gpu']}; measuring ceilings", flush=True)
@@ -117,9 +141,51 @@ def main(argv: list[str] | None = None) -> int:
         md = os.path.join(ROOT, f"BENCHMARK_{args.tag}.md")
         js = os.path.join(ROOT, "benchmarks", "results", f"{args.tag}.json")
     meta = {b.name: {"op": b.op, "flags": b.flags} for b in benches}
-    report.write(records, header, ceilings, meta, md, js, f"fla_cula vs FLA 0.6.0 benchmarks ({args.tag})")
+    # the op grid's records replace every earlier op-grid record; peer and model records are kept
+    report.write_merged(records, header, ceilings, meta, md, js, f"fla_cula vs FLA 0.6.0 benchmarks ({args.tag})",
+                        drop=lambda r: not report.is_peer_record(r) and not report.is_model_record(r))
     print(f"benchmarks: wrote {md} and {js} ({header['wall time']})", flush=True)
     print(report.short_table(records), flush=True)
+    return 0
+
+
+def report_main(argv: list[str]) -> int:
+    """Regenerate the markdown from a JSON of records (CPU only)."""
+    from benchmarks import report
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks report",
+                                description="Merge run JSONs (--add) into --json and regenerate --md from it.")
+    p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "H200.json"))
+    p.add_argument("--md", default=os.path.join(ROOT, "BENCHMARK_H200.md"))
+    p.add_argument("--add", nargs="+", default=[], help="benchmark_<tag>.json files of device runs to merge in")
+    p.add_argument("--tag", default="H200")
+    a = p.parse_args(argv)
+    records = report.load_records(a.json)
+    runs = report.load_runs(a.json)
+    for path in a.add:
+        new = report.load_records(path)
+        grid = any(not report.is_peer_record(r) and not report.is_model_record(r) for r in new)
+        if grid:  # an op-grid run replaces every earlier op-grid record (as python -m benchmarks does)
+            records = [r for r in records if report.is_peer_record(r) or report.is_model_record(r)]
+        records = report.merge_records(records, new)
+        runs.update(report.load_runs(path))
+    if a.add:
+        with open(a.json, "w") as f:
+            json.dump(records, f, indent=1)
+        report.save_runs(a.json, runs)
+    latest = max(runs.values(), key=lambda r: r["header"].get("date (UTC)", ""), default=None)
+    header, ceilings = (dict(latest["header"]), latest["ceilings"]) if latest else report.header_from_records(records)
+    if not ceilings:
+        ceilings = report.header_from_records(records)[1]
+    header.pop("command", None)
+    from benchmarks.registry import registry
+
+    meta = {b.name: {"op": b.op, "flags": b.flags} for b in registry()}
+    meta.update({k: v for r in runs.values() for k, v in (r.get("meta") or {}).items()})
+    title = f"fla_cula vs FLA 0.6.0 benchmarks ({a.tag})"
+    with open(a.md, "w") as f:
+        f.write(report.markdown(records, header, ceilings, meta, title, runs=runs))
+    print(f"benchmarks report: {len(records)} records ({len(a.add)} files merged) -> {a.json}, {a.md}")
     return 0
 
 

@@ -143,7 +143,9 @@ def capture_graph(fn) -> torch.cuda.CUDAGraph:
 
 def route_of(op: str) -> str:
     from fla_cula import routing
-
+    from fla_cula.kernels.registry import OPS
+    if op not in OPS:
+        return "kernel (a building block, not a routed op)"
     r = routing.last_route()
     if r is None:
         return "no route recorded"
@@ -208,4 +210,50 @@ def time_impl(bench, shape, mode: str, impl: str, fn, x: dict) -> dict:
     except Exception as e:  # noqa: BLE001 - recorded per row
         rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     rec["wall_s"] = round(time.perf_counter() - t0, 2)
+    return rec
+
+
+def _eager_plan(call, budget_s: float | None) -> tuple[int, int]:
+    """(batches, inner) for _eager_ms so one eager measurement takes about `budget_s` (None: the
+    default 15 x 20): batches of >= ~20 ms (at most 20 calls), 5 to 15 of them."""
+    if budget_s is None:
+        return 15, 20
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(2):
+        call()
+    torch.cuda.synchronize()
+    t = max((time.perf_counter() - t0) / 2, 1e-6)
+    inner = max(1, min(20, int(0.02 / t)))
+    batches = max(5, min(15, int(budget_s / (inner * t))))
+    return batches, inner
+
+
+def time_call(call, mode: str, *, grad_to_none=None, warm: bool = True, eager_budget_s: float | None = None) -> dict:
+    """Time a zero-argument closure as time_impl times a registry row: "eager" (back-to-back calls,
+    optionally on a time budget), "graph" / "graph_warm" (captured once, replayed; a capture failure
+    is the record's error), "fwdbwd" (do_bench of a forward + backward step, `grad_to_none` cleared).
+    `warm`: make one untimed call first (the caller did when False). Returns {"ms", "peak_bytes", "error"}."""
+    rec: dict = {"ms": None, "peak_bytes": None, "error": None}
+    if warm:
+        call()
+    torch.cuda.synchronize()
+    if mode == "eager":
+        rec["ms"] = _eager_ms(call, *_eager_plan(call, eager_budget_s))
+        rec["peak_bytes"] = peak_bytes(call)
+    elif mode == "fwdbwd":
+        rec["ms"] = _do_bench(call, grad_to_none=grad_to_none)
+        rec["peak_bytes"] = peak_bytes(call)
+    elif mode in ("graph", "graph_warm"):
+        try:
+            g = capture_graph(call)
+        except Exception as e:  # noqa: BLE001 - recorded
+            rec["error"] = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize()
+        else:
+            rec["ms"] = _do_bench(g.replay) if mode == "graph" else _replay_warm_ms(g)
+            del g
+    else:
+        raise ValueError(f"mode must be eager, graph, graph_warm or fwdbwd, got {mode!r}")
     return rec

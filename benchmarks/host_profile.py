@@ -101,21 +101,21 @@ def _decode_pieces(op: str, x: dict, call) -> dict:
 
     from fla_cula import routing
     from fla_cula.kernels import kda_decode, lightning_decode
-    from fla_cula.ops import kda, lightning_attn
+    from fla_cula.ops import lightning_attn
 
     q, k, v, h0, cu = x["q"], x["k"], x["v"], x["initial_state"], x["cu_seqlens"]
     scale = k.shape[-1] ** -0.5
     if op == "fused_recurrent_kda":  # the arguments fla_cula.ops.kda builds from the benchmark's call
-        host, plans = kda_decode, kda._PLANS
+        host = kda_decode
         kargs = (q, k, v, x["g"], x["beta"], x["A_log"], x["dt_bias"], h0, scale, True, False, False, cu, None,
                  None, True, True, True, False, None, None)
-        key, grads = kargs, kargs[:5] + (h0, None)
+        grads = kargs[:5] + (h0, None)
     else:
-        host, plans = lightning_decode, lightning_attn._PLANS
+        host = lightning_decode
         gg = lightning_attn.g_gamma_for(q.shape[2], 3, 24, q.device)
         kargs = (q, k, v, gg, scale, h0, True, False, False, cu)
-        key, grads = (op, scale, q, k, v, 3, 24, None, h0, True, False, cu), (q, k, v, h0)
-    go = routing.route(op, plans, key, grads, lambda: (None, *host.plan(*kargs)))
+        grads = (q, k, v, h0)
+    go = routing.route(op, kargs, grads)
     captured = []
     real_launch = host.launch
     host.launch = lambda fn, dev, *a: captured.append((fn, a))
@@ -128,8 +128,8 @@ def _decode_pieces(op: str, x: dict, call) -> dict:
     final = (v.shape[0], v.shape[2], 128, 128)
     return {
         "whole call": call,
-        "routing.signature": lambda: routing.signature(key),
-        "routing.route (memo hit)": lambda: routing.route(op, plans, key, grads, None),
+        "routing.signature": lambda: routing.signature(kargs),
+        "routing.route (memo hit)": lambda: routing.route(op, kargs, grads),
         "plan's go (allocs + launch)": lambda: go(kargs),
         "kernel TVM-FFI call alone": lambda: fn(*largs),
         "tvm_ffi nop, same arguments": lambda: nop(*largs),

@@ -244,6 +244,20 @@ SHORT_8K = (64,) * 128
 DECODE_VARLEN = tuple([1] * 24 + [4] * 8)
 
 
+def schedule_inputs(s: Shape, device, grad: bool) -> dict:
+    _, cu = _lens_cu(s, device)
+    return {"cu_seqlens": cu, "T": s.tokens}
+
+
+def call_chunk_schedule(fn, x):
+    return fn(x["cu_seqlens"], x["T"])
+
+
+def schedule_bytes(s: Shape, x: dict, mode: str) -> float:
+    n = s.n_seqs
+    return 8 * (n + 1) + 8 * (s.tokens // CHUNK + n) + 4 * (n + 1)
+
+
 def registry() -> list[Bench]:
     kda_prefill = [_S(1, 512, 64), _S(1, 4096, 64), _S(1, 16384, 64), _S(2, 1024, 64), _S(2, 4096, 64),
                    _S(2, 8192, 64), _S(2, 16384, 64), _S(8, 4096, 64), _S(32, 1024, 64),
@@ -261,7 +275,13 @@ def registry() -> list[Bench]:
     light_train = [_S(2, 8192, 64), _S(8, 4096, 64)]
     light_decode = [_S(b, 1, 64) for b in DECODE_B] + [_S(b, 4, 64) for b in (32, 128)]
     rb = recurrent_flops
+    schedules = [_S(1, 8192, 32, varlen=SKEWED_8K, label="skewed"), _S(1, 8192, 32, varlen=SHORT_8K, label="short"),
+                 _S(1, 1, 32, varlen=(1,) * 4096, label="4096 x 1")]
     return [
+        Bench("varlen work list", "chunk_schedule", ("eager",), schedules, schedules, schedule_inputs,
+              call_chunk_schedule, schedule_bytes, lambda s, mode: 0.0,
+              flags="chunk indices + offsets from cu_seqlens, chunk 64: FLA's prepare_chunk_indices/offsets "
+                    "(uncached, host sync) vs fla_cula's C++ work list (GPU, no sync, longest first)"),
         Bench("chunk_kda prefill", "chunk_kda", ("eager", "graph"), kda_prefill, [_S(1, 4096, 64)],
               lambda s, d, g: kda_inputs(s, d, g), call_chunk_kda, io_bytes, chunk_kda_flops,
               flags="l2norm, gate in kernel (A_log, dt_bias), safe_gate, lower_bound=-5, beta sigmoid, h0, ht"),

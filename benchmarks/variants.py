@@ -4,7 +4,7 @@ docs/decode_kernels.md; not part of the report.
 
     python -m benchmarks.variants [--variants JSON] [--old-module path/to/old_recurrent_decode.py]
 
-A variant is a dict of DecodeConfig fields (e.g. {"prefetch_next": false}) plus "mma": whether
+A variant is a dict of DecodeConfig fields (e.g. {"l2_prefetch": false}) plus "mma": whether
 multi-token KDA steps without a pool run on the tensor-core kernel (recurrent_decode_mma; default
 true, as in production), or a dict of its MmaDecodeConfig knobs (e.g. {"min_ctas": 4});
 "old" runs a previous version of the kernel module from a file, for before/after comparisons in

@@ -1,16 +1,16 @@
-// pybind11 module fla_cula._C. Torch-free on purpose: tensors arrive as raw device pointers
-// (tensor.data_ptr()), sizes as integers and the stream as torch.cuda.current_stream().cuda_stream,
-// so one build serves every torch version. Validation of tensors happens in fla_cula/_ext.py;
-// the launchers re-check what they rely on and raise ValueError / RuntimeError.
+// pybind11 module fla_cula._C. Torch-free on purpose (one build serves every torch version): tensors
+// arrive as Python objects and are read through DLPack (common/dlpack_tensor.h), checked in C++,
+// collected into one Params struct per kernel family and launched on the caller's current stream.
+// Each family registers its functions here; fla_cula/_ext.py loads the module and refuses a stale one.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
-#include <cstdint>
 #include <string>
+#include <vector>
 
-#include "state_copy/state_gather.h"
-#ifdef FLA_CULA_HAVE_DLPACK
+#include "common/dlpack_tensor.h"
 #include "host/call_signature.h"
-#endif
+#include "varlen_schedule/varlen_schedule.h"
 
 #ifndef FLA_CULA_VERSION
 #error "FLA_CULA_VERSION must be defined by the build (setup.py)"
@@ -21,31 +21,25 @@
 
 namespace py = pybind11;
 
+namespace fla_cula {
+void register_varlen_schedule(py::module_& m);
+}
+
 // Bumped whenever a function's signature or semantics changes; fla_cula/_ext.py refuses a stale build.
-constexpr int kApiVersion = 2;
+constexpr int kApiVersion = 3;
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "fla_cula CUDA C++ kernels (sm_90a), torch-free pybind11 bindings";
+  m.doc() = "fla_cula CUDA C++ kernels (sm_90a), torch-free pybind11 bindings over DLPack";
 
   m.def(
-      "state_gather",
-      [](uintptr_t dst_ptr, uintptr_t src_ptr, uintptr_t idx_ptr, int64_t n, int64_t src_rows, int64_t row_elems,
-         int idx_bytes, uintptr_t stream) {
-        fla_cula::StateGatherArgs args{reinterpret_cast<void*>(dst_ptr), reinterpret_cast<void const*>(src_ptr),
-                                       reinterpret_cast<void const*>(idx_ptr), idx_bytes, n, src_rows, row_elems,
-                                       reinterpret_cast<void*>(stream)};
-        fla_cula::state_gather(args);
-      },
-      py::arg("dst_ptr"), py::arg("src_ptr"), py::arg("idx_ptr"), py::arg("n"), py::arg("src_rows"),
-      py::arg("row_elems"), py::arg("idx_bytes"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
-      "Enqueue dst[i, :] = src[idx[i], :] (float32 rows) on `stream`; rows with idx outside [0, src_rows) are\n"
-      "left untouched. Raises ValueError for bad arguments, RuntimeError for CUDA errors. Does not synchronize.");
-
-#ifdef FLA_CULA_HAVE_DLPACK
-  m.def(
-      "init_call_signature", [](py::object tensor_type) { return fla_cula::init_call_signature(tensor_type.ptr()); },
+      "init_dlpack", [](py::object tensor_type) { return fla_cula::bind_exchange_api(tensor_type.ptr()); },
       py::arg("tensor_type"),
-      "Bind torch's DLPack C exchange API (tensor_type = torch.Tensor); returns '' or why it cannot be used.");
+      "Bind the DLPack C exchange API of tensor_type (torch.Tensor) for tensor arguments and call_signature;\n"
+      "returns '' or why it cannot be used (tensors then go through __dlpack__).");
+  // The name fla_cula.routing uses.
+  m.def(
+      "init_call_signature", [](py::object tensor_type) { return fla_cula::bind_exchange_api(tensor_type.ptr()); },
+      py::arg("tensor_type"), "Same as init_dlpack.");
   m.def(
       "call_signature",
       [](py::object args, py::object slow) {
@@ -56,7 +50,33 @@ PYBIND11_MODULE(_C, m) {
       py::arg("args"), py::arg("slow"),
       "fla_cula.routing.signature(args): each tensor's dtype, device, address % 16, shape and strides as\n"
       "bytes, other items as they are; slow(tensor) for a tensor the exchange API refuses.");
-#endif
+
+  fla_cula::register_varlen_schedule(m);
+
+  m.def(
+      "kernels",
+      [] {
+        // One entry per kernel family: its name, the substring of its SASS symbols, its specializations.
+        std::vector<py::dict> out;
+        py::list specs;
+        for (auto const& s : fla_cula::kVarlenScheduleSpecialization) {
+          py::dict d;
+          d["threads"] = s.threads;
+          d["items"] = s.items;
+          d["max_seqs"] = s.max_seqs;
+          d["smem_bytes"] = s.smem_bytes;
+          d["symbol"] = "VarlenScheduleKernelILi" + std::to_string(s.threads) + "ELi" + std::to_string(s.items) + "E";
+          specs.append(d);
+        }
+        py::dict family;
+        family["name"] = "varlen_schedule";
+        family["symbol"] = "varlen_schedule_kernel";
+        family["specializations"] = specs;
+        out.push_back(family);
+        return out;
+      },
+      "The C++ kernel families in this build, each with its specializations (CTA size, dynamic shared\n"
+      "memory, SASS symbol). No CUDA call.");
   m.def("version", [] { return std::string(FLA_CULA_VERSION); }, "fla_cula version this module was built from.");
   m.def("built_arch", [] { return std::string(FLA_CULA_BUILT_ARCH); }, "GPU architecture of the device code.");
   m.def("api_version", [] { return kApiVersion; }, "Version of this module's function signatures.");

@@ -40,8 +40,11 @@ def info(as_json: bool = False) -> dict:
     rep["dsl"] = jit.dsl_available_reason() or "ok"
     rep["target_arch"] = jit.ensure_target_arch()
     rep["cache_dir"] = str(jit.cache_dir())
+    from fla_cula.kernels import registry
+    rep["ops"] = registry.describe()
+    rep["kernel_modules"] = registry.describe_kernels()
     try:
-        specs = jit.registered_specs()
+        specs = jit.registered_specs(strict=False)
         rep["kernels"] = [{"name": s.name, "key": dict(s.key), "cached_on_disk": jit.is_cached_on_disk(s),
                            "compiled_in_process": jit.is_cached_in_process(s)} for s in specs]
     except Exception as e:  # a kernel module failed to import: say so, do not hide it
@@ -53,7 +56,7 @@ def info(as_json: bool = False) -> dict:
     except Exception as e:
         rep["cpp_extension"] = f"unavailable ({e})"
     rep["patched"] = patching.is_patched()
-    rep["env"] = {k: os.environ.get(k) for k in ("FLA_CULA", "FLA_CULA_STRICT", "FLA_CULA_PATCH",
+    rep["env"] = {k: os.environ.get(k) for k in ("FLA_CULA", "FLA_CULA_STRICT", "FLA_CULA_STAND_IN", "FLA_CULA_PATCH",
                                                  "FLA_CULA_CACHE_DIR", "CUTE_DSL_ARCH",
                                                  "FLA_DISABLE_BACKEND_DISPATCH")}
     rep["status"] = routing.status()
@@ -61,7 +64,16 @@ def info(as_json: bool = False) -> dict:
         print(json.dumps(rep, indent=2))
     else:
         for k, v in rep.items():
-            if k == "kernels" and isinstance(v, list):
+            if k == "ops":
+                print("ops (kernel, language, grad policy, status):")
+                for r in v:
+                    kern, lang = r["kernel"] or "-", r["lang"] or "-"
+                    print(f"  {r['op']:<31} {kern:<18} {lang:<9} {r['grad']:<28} {r['status']}")
+            elif k == "kernel_modules":
+                print("kernel modules (language, ops served, status):")
+                for r in v:
+                    print(f"  {r['kernel']:<30} {r['lang']:<15} {','.join(r['ops']) or '-':<45} {r['status']}")
+            elif k == "kernels" and isinstance(v, list):
                 print(f"kernels ({len(v)} registered specializations; fields that vary between them):")
                 for s in v:
                     same = [o for o in v if o["name"] == s["name"]]

@@ -1,19 +1,30 @@
 """Python side of the CUDA C++ extension ``fla_cula._C`` (built from csrc/ by setup.py).
 
-The extension does not link libtorch: this module validates torch tensors and hands their raw
-device pointers, sizes and the caller's current CUDA stream to ``_C``. The package works without
-the extension; ``available()`` says whether it is there and, when not, why.
+The extension does not link libtorch. Its kernels take torch tensors directly: C++ reads them
+through DLPack (torch's C exchange API, bound here once at load), checks dtype, shape, strides
+and device, and launches on the caller's current stream of the tensors' device
+(csrc/common/dlpack_tensor.h). The package works without the extension; ``available()`` says
+whether it is there and, when not, why. A kernel's Python module (e.g.
+``fla_cula.kernels.varlen_schedule``) raises ImportError with that reason, which the kernel
+registry reports as the routing reason of its ops.
+
+Build facts for ``fla_cula info``: ``cpp_kernels()`` lists the C++ kernel families with each
+specialization's CTA size and dynamic shared memory (from ``_C.kernels()``) and, where cuobjdump is
+found (triton's wheel, or PATH), registers, stack/local bytes (spills) and static shared memory
+read from the built module's SASS (``cuobjdump -res-usage``); no GPU needed.
 """
 
 import functools
-import math
+import re
+import shutil
+import subprocess
+from pathlib import Path
 from types import ModuleType
 
 import torch
 
 # Must match kApiVersion in csrc/bindings.cpp; a mismatch means the .so is stale (rebuild it).
-_API_VERSION = 2
-_INDEX_DTYPES = (torch.int32, torch.int64)
+_API_VERSION = 3
 
 
 @functools.cache
@@ -23,7 +34,7 @@ def _load() -> tuple[ModuleType | None, str]:
     except ImportError as exc:
         return None, (
             f"fla_cula._C is not built ({exc}); build it with `pip install -e . --no-build-isolation` "
-            "(needs nvcc >= 12 and the CUTLASS headers, see docs/build.md)"
+            "(needs nvcc >= 12 and the build requirements of pyproject.toml, see docs/build.md)"
         )
     api = _C.api_version()
     if api != _API_VERSION:
@@ -31,7 +42,12 @@ def _load() -> tuple[ModuleType | None, str]:
             f"fla_cula._C is stale: API version {api}, this fla_cula expects {_API_VERSION} "
             f"(built from fla_cula {_C.version()}); rebuild it"
         )
+    _dlpack_status[0] = _C.init_dlpack(torch.Tensor)
     return _C, ""
+
+
+# Why torch's DLPack C exchange API is not used ("" when it is): tensors then go through __dlpack__.
+_dlpack_status = [""]
 
 
 def available() -> tuple[bool, str]:
@@ -45,85 +61,141 @@ def info() -> dict[str, str]:
     mod, _ = _load()
     if mod is None:
         return {}
-    return {"version": mod.version(), "arch": mod.built_arch(), "cuda": mod.cuda_version(), "path": mod.__file__}
+    return {
+        "version": mod.version(),
+        "arch": mod.built_arch(),
+        "cuda": mod.cuda_version(),
+        "path": mod.__file__,
+        "dlpack": _dlpack_status[0] or "C exchange API",
+    }
 
 
-def _require() -> ModuleType:
+def require() -> ModuleType:
+    """The loaded extension; RuntimeError with the reason when it is unavailable."""
     mod, why = _load()
     if mod is None:
         raise RuntimeError(why)
     return mod
 
 
-def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        expected = " or ".join(str(d) for d in dtypes)
-        raise TypeError(f"{name}: expected dtype {expected}, got {t.dtype}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous tensor, got shape {tuple(t.shape)} stride {t.stride()}")
-    return t
+# ---------------------------------------------------------------------------------------------
+# What the built module holds (cuobjdump; CPU only, no GPU needed)
+# ---------------------------------------------------------------------------------------------
 
 
-def _ranges_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+def cuobjdump() -> str | None:
+    """cuobjdump from triton's wheel, else from PATH; None when neither has it."""
+    try:
+        import triton
+    except ImportError:
+        triton = None
+    if triton is not None:
+        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        if tool.is_file():
+            return str(tool)
+    return shutil.which("cuobjdump")
 
 
-def state_gather(dst: torch.Tensor, src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``dst[i] = src[idx[i]]`` for every i with ``0 <= idx[i] < src.shape[0]``; other rows of dst are
-    left untouched (negative indices are the serving engines' padding slots). Returns ``dst``.
+def demangle(symbols: list[str]) -> dict[str, str]:
+    """symbol -> demangled name (c++filt); the symbol itself where c++filt is missing."""
+    tool = shutil.which("c++filt")
+    if tool is None or not symbols:
+        return {s: s for s in symbols}
+    out = subprocess.run([tool], input="\n".join(symbols), capture_output=True, text=True, check=True).stdout
+    names = out.splitlines()
+    return dict(zip(symbols, names, strict=True)) if len(names) == len(symbols) else {s: s for s in symbols}
 
-    dst: float32 ``[n, *row]``; src: float32 ``[pool, *row]`` (a state pool; must not overlap dst);
-    idx: int32 or int64 ``[n]``. All contiguous, CUDA, on one SM90 device. Enqueued on the current
-    stream of that device; no host synchronization.
-    """
-    _check_tensor("dst", dst, (torch.float32,))
-    _check_tensor("src", src, (torch.float32,))
-    _check_tensor("idx", idx, _INDEX_DTYPES)
-    if idx.dim() != 1:
-        raise ValueError(f"idx: expected a 1-D tensor, got shape {tuple(idx.shape)}")
-    if dst.dim() < 1 or src.dim() < 1:
-        raise ValueError(f"dst and src need a leading row dimension, got shapes {tuple(dst.shape)}, {tuple(src.shape)}")
-    if dst.shape[0] != idx.shape[0]:
-        raise ValueError(f"dst: expected {idx.shape[0]} rows (len(idx)), got shape {tuple(dst.shape)}")
-    if dst.shape[1:] != src.shape[1:]:
-        raise ValueError(
-            f"src: expected row shape {tuple(dst.shape[1:])} (as dst), got {tuple(src.shape[1:])} "
-            f"(shape {tuple(src.shape)})"
-        )
-    for name, t in (("dst", dst), ("src", src), ("idx", idx)):
-        if t.device.type != "cuda":
-            raise ValueError(f"{name}: expected a CUDA tensor, got device {t.device}")
-    if src.device != dst.device or idx.device != dst.device:
-        raise ValueError(f"expected dst, src and idx on one device, got {dst.device}, {src.device}, {idx.device}")
-    mod = _require()
-    major, minor = torch.cuda.get_device_capability(dst.device)
-    if (major, minor) != (9, 0):
-        raise RuntimeError(
-            f"fla_cula._C holds {mod.built_arch()} code, which runs on compute capability 9.0 only; "
-            f"{dst.device} has {major}.{minor}"
-        )
-    if _ranges_overlap(dst, src):
-        raise ValueError("dst and src overlap in memory; state_gather needs a separate destination")
 
-    n = dst.shape[0]
-    row_elems = math.prod(dst.shape[1:])
-    if n == 0 or row_elems == 0:
-        return dst
-    with torch.cuda.device(dst.device):
-        stream = torch.cuda.current_stream(dst.device).cuda_stream
-        mod.state_gather(
-            dst.data_ptr(),
-            src.data_ptr(),
-            idx.data_ptr(),
-            n,
-            src.shape[0],
-            row_elems,
-            idx.element_size(),
-            stream,
-        )
-    return dst
+_RES_FUNCTION = re.compile(r"^\s*Function (\S+):\s*$")
+_RES_FIELD = re.compile(r"([A-Z]+(?:\[\d+\])?):(\d+)")
+
+
+def resource_usage(path: str, tool: str | None = None) -> list[dict]:
+    """Per kernel in the binary at `path`: symbol, arch, registers, stack, local (bytes; non-zero
+    means spills or local arrays), shared (static bytes) from ``cuobjdump -res-usage``."""
+    tool = tool or cuobjdump()
+    if tool is None:
+        raise RuntimeError("cuobjdump not found (neither in triton's wheel nor on PATH)")
+    text = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    rows, arch, symbol = [], None, None
+    for line in text.splitlines():
+        m = re.match(r"\s*arch = (\S+)", line)
+        if m:
+            arch = m.group(1)
+            continue
+        m = _RES_FUNCTION.match(line)
+        if m:
+            symbol = m.group(1)
+            continue
+        if symbol is not None and "REG:" in line:
+            fields = {k: int(v) for k, v in _RES_FIELD.findall(line)}
+            rows.append(
+                {
+                    "symbol": symbol,
+                    "arch": arch,
+                    "registers": fields.get("REG", 0),
+                    "stack": fields.get("STACK", 0),
+                    "local": fields.get("LOCAL", 0),
+                    "shared": fields.get("SHARED", 0),
+                }
+            )
+            symbol = None
+    return rows
+
+
+_SASS_FUNCTION = re.compile(r"^\s*Function : (\S+)\s*$")
+# "/*0a40*/  @!P0 HGMMA.64x128x16.F32.BF16 ..." -> the opcode with its modifiers
+_SASS_INSTR = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*)")
+
+
+def sass_opcodes(path: str, tool: str | None = None) -> dict[str, tuple[str, set[str]]]:
+    """symbol -> (arch, set of SASS opcodes with modifiers, e.g. "HGMMA.64x128x16.F32.BF16")."""
+    tool = tool or cuobjdump()
+    if tool is None:
+        raise RuntimeError("cuobjdump not found (neither in triton's wheel nor on PATH)")
+    text = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    out: dict[str, tuple[str, set[str]]] = {}
+    arch, ops = None, None
+    for line in text.splitlines():
+        m = re.match(r"\s*arch = (\S+)", line)
+        if m:
+            arch = m.group(1)
+            continue
+        m = _SASS_FUNCTION.match(line)
+        if m:
+            ops = set()
+            out[m.group(1)] = (arch, ops)
+            continue
+        if ops is not None:
+            m = _SASS_INSTR.match(line)
+            if m:
+                ops.add(m.group(1))
+    return out
+
+
+@functools.cache
+def cpp_kernels() -> list[dict]:
+    """The C++ kernel families of the built module (empty when it is unavailable), for ``info``:
+    name, arch, and per specialization its CTA size, dynamic shared memory and, where cuobjdump is
+    found, registers / stack / local / static shared bytes from the SASS ("resources" holds why not)."""
+    mod, _ = _load()
+    if mod is None:
+        return []
+    families = [dict(f) for f in mod.kernels()]
+    try:
+        usage = resource_usage(mod.__file__)
+        why = ""
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+        usage, why = [], str(exc)
+    for fam in families:
+        fam["arch"] = mod.built_arch()
+        fam["resources"] = why or "cuobjdump -res-usage"
+        specs = []
+        for spec in fam["specializations"]:
+            spec = dict(spec)
+            for row in usage:
+                if fam["symbol"] in row["symbol"] and spec["symbol"] in row["symbol"]:
+                    spec.update({k: row[k] for k in ("registers", "stack", "local", "shared")})
+            specs.append(spec)
+        fam["specializations"] = specs
+    return families

@@ -1,17 +1,21 @@
 """Routing: every public op decides kernel or FLA, and says why.
 
-A decision is a reason string: ``None`` means "run our kernel", anything else names why the call
-goes to FLA ("no CUDA device", "head dim 64: kernel supports 128", ...). Each distinct
-(op, reason) is logged once on the ``fla_cula`` logger; :func:`status` counts every call.
+``route(op, ...)`` is the one decision point: the op (``fla_cula.ops``) hands over its arguments,
+routing finds the op's kernel in ``fla_cula.kernels.registry``, asks the kernel's plan function
+whether it serves the call, applies the op's grad policy, counts the call and returns the plan that
+runs it (or None: the op then calls FLA). A reason string names why a call goes to FLA ("no CUDA
+device", "head dim 64: kernel supports 128", ...). Each distinct (op, reason) is logged once on the
+``fla_cula`` logger; :func:`status` counts every call.
 
 Environment toggles are read at call time (cheap ``os.environ`` lookups):
-  FLA_CULA=0         every call goes to FLA, even when patched.
-  FLA_CULA_STRICT=1  a fallback raises :class:`FallbackError` with its reason instead.
+  FLA_CULA=0           every call goes to FLA, even when patched.
+  FLA_CULA_STRICT=1    a fallback raises :class:`FallbackError` with its reason instead.
+  FLA_CULA_STAND_IN=1  a chunk op without a kernel runs FLA's forward inside fla_cula's autograd
+                       Function (counted as ``stand_in``): the training path, tested before a kernel.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import threading
@@ -24,6 +28,7 @@ import torch
 logger = logging.getLogger("fla_cula")
 
 KERNEL = "kernel"
+STAND_IN = "stand_in"
 NO_KERNEL_YET = "no kernel for this op yet"
 
 
@@ -52,6 +57,10 @@ def strict() -> bool:
     return _getenv("FLA_CULA_STRICT", "0") not in ("0", "")
 
 
+def stand_in() -> bool:
+    return _getenv("FLA_CULA_STAND_IN", "0") not in ("0", "")
+
+
 # ---------------------------------------------------------------------------------------------
 # accounting
 _lock = threading.Lock()
@@ -66,8 +75,9 @@ def _record(op: str, route: str) -> None:
     _tls.last = (op, route)
 
 
-def record_kernel(op: str) -> None:
-    _record(op, KERNEL)
+def record_kernel(op: str, route: str = KERNEL) -> None:
+    """Count a call served by fla_cula: route "kernel", or "stand_in" (FLA's forward in our Function)."""
+    _record(op, route)
 
 
 def record_fallback(op: str, reason: str) -> None:
@@ -82,13 +92,20 @@ def record_fallback(op: str, reason: str) -> None:
 
 
 def status() -> dict[str, dict[str, Any]]:
-    """Per op: ``{"kernel": n, "fallback": {reason: n}, "calls": n}``."""
+    """Per op: ``{"kernel": n, "fallback": {reason: n}, "calls": n}``, plus ``"stand_in": n`` for
+    chunk-op calls that ran FLA's forward inside fla_cula's autograd Function, and ``"grad"``: the op's
+    grad policy (``fla_cula.kernels.registry``) for ops fla_cula serves."""
+    from fla_cula.kernels.registry import GRAD_POLICY_TEXT, OPS
     out: dict[str, dict[str, Any]] = {}
     with _lock:
         for op, routes in sorted(_counts.items()):
             fb = {r[len("fallback: "):]: n for r, n in routes.items() if r.startswith("fallback: ")}
-            kern = routes.get(KERNEL, 0)
-            out[op] = {"kernel": kern, "fallback": fb, "calls": kern + sum(fb.values())}
+            kern, si = routes.get(KERNEL, 0), routes.get(STAND_IN, 0)
+            out[op] = {"kernel": kern, "fallback": fb, "calls": kern + si + sum(fb.values())}
+            if si:
+                out[op]["stand_in"] = si
+            if op in OPS:
+                out[op]["grad"] = GRAD_POLICY_TEXT[OPS[op].grad]
     return out
 
 
@@ -156,31 +173,21 @@ def grad_reason(tensors) -> str | None:
     return None
 
 
-def common_reason(x: torch.Tensor, *tensors: torch.Tensor | None) -> str | None:
-    """Checks every kernel shares: env toggle, CUDA device, SM90, one device, grad mode."""
-    if not enabled():
-        return "FLA_CULA=0"
-    return device_reason(x, *tensors) or grad_reason((x, *tensors))
-
-
 # ---------------------------------------------------------------------------------------------
 # decisions memoized per call signature (the eager call path: a decode step's host work is ~all
 # argument checks and bookkeeping, so a repeated call shape must not redo them)
 MAX_PLANS = 4096
-_plan_caches: list[dict] = []
-
-
-def plan_cache() -> dict:
-    """A memo for one op: signature -> (reason before the grad check, reason after it, plan)."""
-    d: dict = {}
-    _plan_caches.append(d)
-    return d
+_memo: dict[str, dict] = defaultdict(dict)  # op -> signature -> (reason before grad, reason after, plan)
 
 
 def clear_plans() -> None:
     """Forget every memoized decision (kernel tuning changed, tests)."""
-    for d in _plan_caches:
+    for d in list(_memo.values()):
         d.clear()
+
+
+def memo_size(op: str) -> int:
+    return len(_memo.get(op, ()))
 
 
 def _tensor_signature(x: torch.Tensor) -> tuple:
@@ -221,48 +228,100 @@ def signature(args) -> tuple:
     return signature_py(args)
 
 
-def route(op: str, cache: dict, key_args, grad_tensors, decide: Callable[[], tuple]):
-    """The plan to run our kernel with, or None after recording why the call goes to FLA.
+def size_free_signature(args, runtime_dims) -> tuple:
+    """A signature without runtime sizes, for ops whose lengths change on every call (prefill): per
+    tensor its dtype, device, rank, the dims after the first ``runtime_dims[i]`` (head counts and head
+    dims), whether it is contiguous and its address modulo 16; other arguments as they are. A plan
+    decided on this key must not depend on the sizes left out (B, T, N, the varlen layout): the
+    per-call size_reason() covers what does."""
+    out = []
+    for x, lead in zip(args, runtime_dims, strict=True):
+        if isinstance(x, torch.Tensor):
+            out.append((x.dtype, x.device, x.dim(), tuple(x.shape[lead or 0:]), x.is_contiguous(),
+                        x.data_ptr() & 15))
+        else:
+            out.append(x)
+    return tuple(out)
 
-    decide() -> (pre, post, plan) runs once per distinct signature of `key_args`: `pre` a reason
-    that precedes the grad check (device, kernel import), `post` one that follows it (the kernel's
-    argument checks), `plan` what runs the call when both are None."""
-    if not enabled():
-        reason, plan = "FLA_CULA=0", None
-    else:
-        try:
-            key = signature(key_args)
-            ent = cache.get(key)
-        except TypeError:  # an unhashable argument: decide without memo (its check names it)
-            key = ent = None
-        if ent is None:
-            ent = decide()
-            if key is not None:
-                if len(cache) >= MAX_PLANS:
-                    cache.clear()
-                cache[key] = ent
-        pre, post, plan = ent
-        reason = pre or grad_reason(grad_tensors) or post
-    if reason is None:
-        record_kernel(op)
-        return plan
-    record_fallback(op, reason)
+
+I31 = 2 ** 31
+
+
+def size_reason(tensors) -> str | None:
+    """The size checks every size-free plan needs per call: 32-bit element offsets."""
+    for t in tensors:
+        if t is not None and t.numel() >= I31:
+            return f"a tensor of shape {tuple(t.shape)} has >= 2^31 elements: kernels index with int32"
     return None
 
 
-class LazyKernel:
-    """A kernel module (fla_cula.kernels.<name>) imported on first use: it imports CuTe DSL, which a
-    call that already fell back for a device reason never needs. An import failure is a reason too."""
+def _decide(spec, plan_args: tuple, tensors: tuple) -> tuple:
+    """(reason before the grad check, reason after it, (plan, route label)) for one signature."""
+    from fla_cula.kernels import registry
 
-    def __init__(self, name: str):
-        self.name = name
-        self.mod = None
-        self._failed: str | None = None
+    pre = device_reason(*tensors)
+    if pre:
+        return pre, None, None
+    name = spec.kernel
+    if name is None:
+        if spec.stand_in is None or not stand_in():
+            return NO_KERNEL_YET, None, None
+        name = spec.stand_in
+    fn, why = registry.plan_function(name)
+    if fn is None:
+        return why, None, None
+    post, plan = fn(*plan_args)
+    return None, post, (plan, registry.KERNELS[name].route)
 
-    def reason(self) -> str | None:
-        if self.mod is None and self._failed is None:
-            try:
-                self.mod = importlib.import_module(f"fla_cula.kernels.{self.name}")
-            except Exception as e:  # noqa: BLE001 - reported as the fallback reason
-                self._failed = f"{self.name} kernel unavailable ({type(e).__name__}: {e})"
-        return self._failed
+
+def route(op: str, plan_args: tuple, tensors: tuple, key_args=None, validate: Callable[[], None] | None = None):
+    """The plan that runs this call on fla_cula, or None after recording why it goes to FLA.
+
+    op:         a name in ``fla_cula.kernels.registry.OPS`` (its kernel, stand-in, grad policy, key form)
+    plan_args:  what the kernel's plan function takes; the plan returned runs every call whose
+                arguments have the same signature
+    tensors:    the call's tensors (device checks; requires_grad for forward-only ops); the first is
+                the one whose device the kernel runs on
+    key_args:   what the memo key is read from (default plan_args)
+    validate:   raises for arguments that no implementation may run (ours or FLA's: out-of-bounds
+                memory); run once per signature before it is memoized, so a failing call raises
+                every time and a passing one costs nothing on later calls
+
+    The memo key is signature(key_args), or size_free_signature() for ops with runtime dims. Read
+    on every call, in this order: FLA_CULA, the memoized device/import reason, the grad policy,
+    the memoized kernel checks, the per-call size checks (size-free ops)."""
+    if not enabled():
+        if validate is not None:
+            validate()
+        record_fallback(op, "FLA_CULA=0")
+        return None
+    from fla_cula.kernels.registry import FORWARD_ONLY, OPS
+
+    spec = OPS[op]
+    ka = plan_args if key_args is None else key_args
+    sized = spec.runtime_dims is not None
+    stand = spec.kernel is None and stand_in()
+    try:
+        key = (stand, size_free_signature(ka, spec.runtime_dims)) if sized else signature(ka)
+        cache = _memo[op]
+        ent = cache.get(key)
+    except TypeError:  # an unhashable argument: decide without memo (its check names it)
+        key = ent = None
+    if ent is None:
+        if validate is not None:
+            validate()
+        ent = _decide(spec, plan_args, tensors)
+        if key is not None:
+            if len(cache) >= MAX_PLANS:
+                cache.clear()
+            cache[key] = ent
+    pre, post, chosen = ent
+    reason = pre or (grad_reason(tensors) if spec.grad == FORWARD_ONLY else None) or post
+    if reason is None and sized:
+        reason = size_reason(tensors)
+    if reason is None:
+        plan, label = chosen
+        record_kernel(op, label)
+        return plan
+    record_fallback(op, reason)
+    return None

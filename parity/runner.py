@@ -29,8 +29,14 @@ def fla_functions() -> dict[str, Callable]:
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda, fused_recurrent_kda_fwd
     from fla.ops.lightning_attn.chunk import chunk_lightning_attn
     from fla.ops.lightning_attn.fused_recurrent import fused_recurrent_lightning_attn
+    from fla.ops.utils import index as fla_index
+
+    def chunk_schedule(cu_seqlens, total_tokens, chunk_size=64):  # what FLA does per new cu_seqlens (uncached)
+        return (fla_index.prepare_chunk_indices.__wrapped__(cu_seqlens, chunk_size),
+                fla_index.prepare_chunk_offsets.__wrapped__(cu_seqlens, chunk_size))
 
     fns = {
+        "chunk_schedule": chunk_schedule,
         "chunk_kda": chunk_kda,
         "fused_recurrent_kda": fused_recurrent_kda,
         "fused_recurrent_kda_fwd": fused_recurrent_kda_fwd,
@@ -47,7 +53,12 @@ def cula_functions() -> dict[str, Callable]:
     from fla_cula.ops.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_fwd
     from fla_cula.ops.lightning_attn import chunk_lightning_attn, fused_recurrent_lightning_attn
 
+    def chunk_schedule(cu_seqlens, total_tokens, chunk_size=64):
+        from fla_cula.kernels.varlen_schedule import chunk_schedule as schedule
+        return schedule(cu_seqlens, total_tokens, chunk_size)
+
     return {
+        "chunk_schedule": chunk_schedule,
         "chunk_kda": chunk_kda,
         "fused_recurrent_kda": fused_recurrent_kda,
         "fused_recurrent_kda_fwd": fused_recurrent_kda_fwd,

@@ -172,7 +172,7 @@ def test_cpu_routes_to_fla_with_reason_and_counts(caplog):
         _run_expecting_fla_cpu_failure(fla_cula.fused_recurrent_kda, *args)
     st = fla_cula.status()["fused_recurrent_kda"]
     reason = "no CUDA device" if not torch.cuda.is_available() else "tensors on cpu, not CUDA"
-    assert st == {"kernel": 0, "fallback": {reason: 3}, "calls": 3}
+    assert st == {"kernel": 0, "fallback": {reason: 3}, "calls": 3, "grad": "forward only (grad -> FLA)"}
     assert fla_cula.last_route() == ("fused_recurrent_kda", "fallback: " + reason)
     logged = [r for r in caplog.records if reason in r.getMessage()]
     assert len(logged) == 1, "each reason is logged once"
@@ -371,7 +371,7 @@ def test_signature_reads_every_fact_the_checks_use(impl):
         assert sig((a,)) != sig((other,))
     assert sig((a, 0.5)) != sig((a, 0.25)) and sig((a, None)) != sig((a, False))
     p = torch.nn.Parameter(torch.randn(2, 8))      # requires grad: same facts as a plain tensor
-    assert sig((p,)) == sig((a.clone(),)) or impl == "python"
+    assert sig((p,)) == sig((a.clone(),))          # in both: requires_grad is checked per call, not here
     assert sig((p,)) != sig((p.double(),))
     m = torch.empty(2, 8, device="meta")
     assert sig((m,)) == sig((torch.empty(2, 8, device="meta"),)) and sig((m,)) != sig((a,))
@@ -388,62 +388,3 @@ def test_native_signature_matches_python_decisions():
         for y in xs:
             same_py = routing.signature_py((x, 1)) == routing.signature_py((y, 1))
             assert (nat((x, 1)) == nat((y, 1))) == same_py, (x.shape, x.stride(), y.shape, y.stride())
-
-
-def test_route_memoizes_decisions_per_signature():
-    cache = routing.plan_cache()
-    calls = []
-
-    def decide(post=None):
-        calls.append(post)
-        return None, post, ("plan", post)
-
-    x = torch.randn(4, 4)
-    for _ in range(3):
-        assert routing.route("op_memo", cache, (x, 1), (x,), decide) == ("plan", None)
-    assert len(calls) == 1 and fla_cula.status()["op_memo"]["kernel"] == 3
-    y = torch.randn(4, 4, dtype=torch.float64)
-    for _ in range(2):
-        assert routing.route("op_memo", cache, (y, 1), (y,), lambda: decide("y: float64")) is None
-    assert len(calls) == 2 and fla_cula.status()["op_memo"]["fallback"] == {"y: float64": 2}
-    # unhashable argument: decided every call, never stored
-    for _ in range(2):
-        routing.route("op_memo", cache, (x, [1]), (x,), decide)
-    assert len(calls) == 4 and len(cache) == 2
-    routing.clear_plans()
-    assert len(cache) == 0
-
-
-def test_route_grad_env_and_strict_are_per_call(monkeypatch):
-    """The memo holds what the signature decides; grad mode, FLA_CULA and strict mode are read on
-    every call, in the unmemoized order (device reason, then grad, then the kernel's checks)."""
-    cache = routing.plan_cache()
-    x = torch.randn(3, requires_grad=True)
-    pre = routing.route("op_grad", cache, (x,), (x,), lambda: (None, "bad shape", None))
-    assert pre is None and fla_cula.last_route() == ("op_grad", "fallback: grad enabled: forward-only kernel")
-    with torch.no_grad():
-        routing.route("op_grad", cache, (x,), (x,), None)   # memo hit: decide is not called again
-    assert fla_cula.last_route() == ("op_grad", "fallback: bad shape")
-    monkeypatch.setenv("FLA_CULA", "0")
-    routing.route("op_grad", cache, (x,), (x,), None)
-    assert fla_cula.last_route() == ("op_grad", "fallback: FLA_CULA=0")
-    monkeypatch.delenv("FLA_CULA")
-    monkeypatch.setenv("FLA_CULA_STRICT", "1")
-    with torch.no_grad(), pytest.raises(routing.FallbackError, match="bad shape"):
-        routing.route("op_grad", cache, (x,), (x,), None)
-
-
-def test_route_memo_is_bounded(monkeypatch):
-    monkeypatch.setattr(routing, "MAX_PLANS", 4)
-    cache = routing.plan_cache()
-    for n in range(10):
-        routing.route("op_bound", cache, (n,), (), lambda: (None, None, "plan"))
-        assert len(cache) <= 4
-
-
-def test_set_tuning_forgets_plans():
-    from fla_cula.kernels import recurrent_decode
-    cache = routing.plan_cache()
-    cache["k"] = (None, None, "plan")
-    recurrent_decode.set_tuning()
-    assert not cache

@@ -40,6 +40,43 @@ namespace fla_cula {
     }                                                                      \
   } while (0)
 
+namespace fla_cula {
+
+// Makes `device` current for this thread's CUDA runtime while the guard lives. _C links the static
+// runtime, whose current device is its own (torch's torch.cuda.set_device does not reach it), so
+// every launcher sets it from its tensors' device before launching.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) : device_(device) {
+    FLA_CULA_CUDA_CHECK(cudaGetDevice(&prev_));
+    if (prev_ != device_) FLA_CULA_CUDA_CHECK(cudaSetDevice(device_));
+  }
+  ~DeviceGuard() {
+    if (prev_ != device_) cudaSetDevice(prev_);  // best effort: a destructor must not throw
+  }
+  DeviceGuard(DeviceGuard const&) = delete;
+  DeviceGuard& operator=(DeviceGuard const&) = delete;
+
+ private:
+  int device_;
+  int prev_ = 0;
+};
+
+// RuntimeError unless `device` has compute capability major.minor (sm_90a code loads on 9.0 only).
+inline void require_compute_capability(int device, int major, int minor, const char* what) {
+  int have_major = 0, have_minor = 0;
+  FLA_CULA_CUDA_CHECK(cudaDeviceGetAttribute(&have_major, cudaDevAttrComputeCapabilityMajor, device));
+  FLA_CULA_CUDA_CHECK(cudaDeviceGetAttribute(&have_minor, cudaDevAttrComputeCapabilityMinor, device));
+  if (have_major != major || have_minor != minor) {
+    throw std::runtime_error(std::string(what) + ": fla_cula._C holds " FLA_CULA_BUILT_ARCH
+                             " code, which runs on compute capability " + std::to_string(major) + "." +
+                             std::to_string(minor) + " only; cuda:" + std::to_string(device) + " has " +
+                             std::to_string(have_major) + "." + std::to_string(have_minor));
+  }
+}
+
+}  // namespace fla_cula
+
 #define FLA_CULA_REQUIRE(cond, msg)            \
   do {                                         \
     if (!(cond)) {                             \

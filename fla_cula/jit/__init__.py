@@ -126,8 +126,14 @@ def register_kernel(name: str):
     return deco
 
 
-def registered_specs() -> list[KernelSpec]:
-    import fla_cula.kernels  # noqa: F401  (imports every kernel module, filling the registry)
+def registered_specs(strict: bool = True) -> list[KernelSpec]:
+    """Every CuTe DSL specialization of every kernel in fla_cula.kernels.registry (their modules register
+    them on import). strict: a CuTe DSL kernel module that fails to import raises (CI must see it);
+    C++ kernels' modules (the extension may not be built) and stand-ins are not required here."""
+    from fla_cula.kernels import registry
+    for name, why in registry.import_all().items():
+        if why is not None and strict and registry.KERNELS[name].lang == "CuTe DSL":
+            raise ImportError(why)
     return [s for fns in _registry.values() for fn in fns for s in fn()]
 
 

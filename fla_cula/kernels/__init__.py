@@ -1,8 +1,5 @@
-"""CuTe DSL kernels, one module each. Importing this package imports every kernel module, which
-registers its specializations with fla_cula.jit (for the CI compile check and `python -m fla_cula info`)."""
+"""Kernels, one module each (CuTe DSL, or a host wrapper of a CUDA C++ kernel in fla_cula._C).
 
-import importlib
-import pkgutil
-
-for _m in pkgutil.iter_modules(__path__):
-    importlib.import_module(f"{__name__}.{_m.name}")
+Importing this package imports no kernel: ``fla_cula.kernels.registry`` lists them and imports a
+module on first use, so a module that fails to import disables only its own ops.
+"""

@@ -27,96 +27,22 @@ holds an 8 (k) x 4 (v) fp32 fragment (32 registers) in one of two mappings:
 o and u use the identity o = S'^T q + (k.q) u, so a token needs ONE reduction pass (S'^T k,
 S'^T q, k.q and, with l2norm, |q|^2, |k|^2 all in one batch of shuffles).
 
-`l2_prefetch` (on by default) asks L2 for a multi-token step's later tokens right after the state
-stream is issued. Both knobs won the H200 sweeps in docs/decode_kernels.md; candidates that lost
-are deleted (persistent CTAs with a cp.async ring, `stages`; a shared-memory [K,V] transpose,
-`kv_smem`). `tok_smem` (KDA's default since session 5; normalized off for lightning) computes
-each token's per-k terms (decay, q, k and k.q, |q|^2, |k|^2) once per CTA through shared memory.
+Token inputs: token t+1's loads are issued while token t computes (registers rq8, rk8, rv4, rg8,
+rbt hold one token ahead); `l2_prefetch` additionally asks L2 for tokens 1..T-1 right after the
+state stream is issued. `tok_smem` (KDA with 4 warps; off for lightning) computes each token's
+per-k terms (decay, q, k and k.q, |q|^2, |k|^2) once per CTA through shared memory. The defaults
+of `kv_rows`, `l2_prefetch`, `tok_smem` and `bv` are the measured choice (docs/decode_kernels.md).
 """
 
-import dataclasses
 from dataclasses import dataclass, fields
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
-from fla_cula.jit import KernelSpec, get_compiled, register_kernel
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
-_DT = {
-    "bfloat16": cutlass.BFloat16,
-    "float16": cutlass.Float16,
-    "float32": cutlass.Float32,
-    "int32": cutlass.Int32,
-    "int64": cutlass.Int64,
-}
-
-
-def fexp(x):
-    """exp(x) through ex2.approx (fast path; x <= 0 for decays)."""
-    return cute.math.exp2(x * LOG2E, fastmath=True)
-
-
-def sigmoid(x):
-    return Float32(1.0) / (Float32(1.0) + fexp(-x))
-
-
-def make_decay(cfg):
-    """decay(g, dt_bias, exp(A_log), lower_bound) -> exp(a) of one K position, for a config's gate:
-    precomputed log decay g, or FLA's in-kernel gate on g + dt_bias (softplus form, or lower_bound x
-    sigmoid). Shared by the decode kernels."""
-    f32 = Float32
-
-    @cute.jit
-    def decay(gi, bi, aexp, lower_bound):
-        """exp(gate) of one K position: precomputed g, or computed in kernel from g + dt_bias."""
-        if cutlass.const_expr(cfg.gate_in_kernel):
-            gi = gi + bi
-            if cutlass.const_expr(cfg.has_lower_bound):
-                gi = lower_bound * sigmoid(aexp * gi)
-            else:
-                sp = gi
-                if gi <= f32(20.0):  # FLA's softplus threshold
-                    sp = cute.math.log2(f32(1.0) + fexp(gi), fastmath=True) * LN2
-                gi = -aexp * sp
-        return fexp(gi)
-
-    return decay
-
-
-def make_seq_span(cfg):
-    """seq_span(mQ, mCu, n) -> (batch row b, first token bos, length Tn) of sequence n; varlen
-    cu_seqlens values are clamped to the token range (never trusted, no host sync)."""
-
-    @cute.jit
-    def seq_span(mQ: cute.Tensor, mCu: cute.Tensor, n):
-        Ttot = mQ.shape[1]
-        b = n
-        bos = Int32(0)
-        Tn = Ttot
-        if cutlass.const_expr(cfg.varlen):
-            b = Int32(0)
-            s0 = Int32(mCu[n])
-            s1 = Int32(mCu[n + 1])
-            s0 = cutlass.max(cutlass.min(s0, Ttot), Int32(0))
-            s1 = cutlass.max(cutlass.min(s1, Ttot), s0)
-            bos = s0
-            Tn = s1 - s0
-        return b, bos, Tn
-
-    return seq_span
-
-
-def _al(t, nbytes):
-    """The same tensor with its pointer declared `nbytes`-aligned (the host checks guarantee it:
-    16-byte aligned bases, strides that are multiples of the vector)."""
-    p = t.iterator
-    return cute.make_tensor(cute.make_ptr(t.element_type, p.toint(), p.memspace,
-                                          assumed_align=nbytes), t.layout)
+from fla_cula.jit import KernelSpec, register_kernel
+from fla_cula.kernels._dsl import assume_align, decode_fake_args, fexp, make_decay, make_seq_span, sigmoid, vec4
+from fla_cula.kernels._tuning import TUNING
 
 
 def _kvec(row, kb, KVROW):
@@ -126,15 +52,9 @@ def _kvec(row, kb, KVROW):
     Row mapping (KVROW, kb = 32 warp + 8 kr): the 8 contiguous k in [kb, kb+8), one vector."""
     if KVROW:
         v = cute.make_tensor(row.iterator + kb, cute.make_layout((8,), stride=(1,)))
-        return _al(v, min(16, 8 * row.element_type.width // 8))
+        return assume_align(v, min(16, 8 * row.element_type.width // 8))
     v = cute.make_tensor(row.iterator + 4 * kb, cute.make_layout((4, 2), stride=(1, 64)))
-    return _al(v, min(16, 4 * row.element_type.width // 8))
-
-
-def _vvec(row, vc):
-    """Thread's 4 V-elements [4vc, 4vc+4) of a length-V row (one vector)."""
-    tile = cute.local_tile(row, (4,), (vc,))
-    return _al(tile, min(16, 4 * row.element_type.width // 8))
+    return assume_align(v, min(16, 4 * row.element_type.width // 8))
 
 
 def _state_view(VF, KVROW, t2d, vc, kl):
@@ -147,7 +67,8 @@ def _state_view(VF, KVROW, t2d, vc, kl):
                       bytes per instruction (fully coalesced)."""
     if KVROW:
         vv = t2d.shape[1]
-        return _al(cute.make_tensor(t2d.iterator + kl * vv + 4 * vc, cute.make_layout((8, 4), stride=(vv, 1))), 16)
+        lay = cute.make_layout((8, 4), stride=(vv, 1))
+        return assume_align(cute.make_tensor(t2d.iterator + kl * vv + 4 * vc, lay), 16)
     if VF:
         kk = t2d.shape[1]
         lay = cute.make_layout((4, (4, 2)), stride=(kk, (1, 64)))
@@ -156,7 +77,7 @@ def _state_view(VF, KVROW, t2d, vc, kl):
         vv = t2d.shape[1]
         lay = cute.make_layout(((4, 2), 4), stride=((vv, 64 * vv), 1))
         off = 4 * kl * vv + 4 * vc
-    return _al(cute.make_tensor(t2d.iterator + off, lay), 16)
+    return assume_align(cute.make_tensor(t2d.iterator + off, lay), 16)
 
 
 def _sget(rS, VF, i, j):
@@ -182,7 +103,7 @@ def _load_tok(KDA, KVROW, TOKS, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt, 
         cute.autovec_copy(_kvec(mQ[b, tok, hq, None], kl, KVROW), rq8)
         cute.autovec_copy(_kvec(mK[b, tok, hq, None], kl, KVROW), rk8)
     for g in range(len(rv4)):
-        cute.autovec_copy(_vvec(mV[b, tok, hv, None], vc + 8 * g), rv4[g])
+        cute.autovec_copy(vec4(mV[b, tok, hv, None], vc + 8 * g), rv4[g])
     if KDA:
         if TOKS:
             rg8[0] = mG[b, tok, hv, kk]
@@ -200,7 +121,7 @@ def _prefetch_tok(KDA, KVROW, NC, mQ, mK, mV, mG, b, tok, hq, hv, kl, vc):
         cute.arch.prefetch(p.llvm_ptr, cache_level="L2")
         cute.arch.prefetch((p + 64).llvm_ptr, cache_level="L2")
     for g in range(NC):
-        cute.arch.prefetch(_vvec(mV[b, tok, hv, None], vc + 8 * g).iterator.llvm_ptr, cache_level="L2")
+        cute.arch.prefetch(vec4(mV[b, tok, hv, None], vc + 8 * g).iterator.llvm_ptr, cache_level="L2")
 
 
 @dataclass(frozen=True)
@@ -234,20 +155,16 @@ class DecodeConfig:
     beta_sigmoid: bool = False
     neg_eigval: bool = False
     bv: int = 32                   # value columns per CTA (multiple of 8; kv_rows: 32 or 64)
-    prefetch_next: bool = True     # load token t+1's inputs while token t computes (T > 1)
-    min_ctas: int = 0              # >0: ask ptxas for this many CTAs per SM (caps registers)
     # [K,V] layout only (ignored for [V,K]): lanes along V so each warp instruction reads whole
     # 128-byte rows; K is split over lanes and warps, reduced by shuffles + one shared-memory
     # exchange per token. Off: the warp-K mapping (a warp instruction touches 16 rows x 32 bytes).
-    # Measured faster at T=1 and T=4 for both ops (docs/decode_kernels.md, sessions 2-3).
     kv_rows: bool = True
     # right after the state loads are issued, prefetch.global.L2 the lines of tokens 1..T-1's
-    # inputs, so the serial token chain's loads hit L2 (T=4: 1.49-1.53x T=1 without, 1.27-1.29x with).
+    # inputs, so the serial token chain's loads hit L2.
     l2_prefetch: bool = True
-    # KDA, bv=32 only (128 threads = K): thread k computes token t's decay, q_k, k_k (fp32) and its
+    # KDA with 4 warps (128 threads = K): thread k computes token t's decay, q_k, k_k (fp32) and its
     # share of k.q, |q|^2, |k|^2 once for the CTA into shared memory (one barrier per token), instead
-    # of every thread recomputing its 8 rows' gates and partial dot products (8-32x redundant).
-    # Measured on the H200 (session 4): T=4 -14..-17%, T=1 -1..-6%; softplus spec 165 -> 123 registers.
+    # of every thread recomputing its 8 rows' gates and partial dot products.
     tok_smem: bool = True
 
     def __post_init__(self):
@@ -271,65 +188,6 @@ class DecodeConfig:
     def groups(self) -> int:
         """4-column groups per thread (kv_rows with bv=64: 2, an 8 x 8 fragment)."""
         return self.bv // 32 if self.kv_rows else 1
-
-
-def _rm(dtype, shape, assumed_align=None):
-    """Row-major (last dim contiguous) fake tensor; 32-bit strides (the host checks numel < 2^31)."""
-    n = len(shape)
-    return make_fake_compact_tensor(dtype, shape, stride_order=tuple(range(n - 1, -1, -1)),
-                                    assumed_align=assumed_align, use_32bit_stride=True)
-
-
-def decode_fake_args(c):
-    """Fake tensors with symbolic sizes: the compile signature of a decode kernel (the 13 tensors, scale,
-    lower_bound, stream) for a config with DecodeConfig's dtype / optional-input fields."""
-    K, V = c.K, c.V
-    B = cute.sym_int32()
-    T = cute.sym_int32()
-    H = cute.sym_int32()
-    HV = cute.sym_int32()
-    dt = _DT
-    q = _rm(dt[c.qk_dtype], (B, T, H, K), assumed_align=16)
-    k = _rm(dt[c.qk_dtype], (B, T, H, K), assumed_align=16)
-    if c.mode == "kda":
-        v = _rm(dt[c.v_dtype], (B, T, HV, V), assumed_align=16)
-        o = _rm(dt[c.o_dtype], (B, T, HV, V), assumed_align=16)
-        g = _rm(dt[c.g_dtype], (B, T, HV, K), assumed_align=16)
-        beta = _rm(dt[c.beta_dtype], (B, T, HV))
-    else:
-        v = _rm(dt[c.v_dtype], (B, T, H, V), assumed_align=16)
-        o = _rm(dt[c.o_dtype], (B, T, H, V), assumed_align=16)
-        g = _rm(cutlass.Float32, (H,))   # g_gamma [H] fp32
-        beta = None
-    A = dt_bias = None
-    if c.mode == "kda" and c.gate_in_kernel:
-        if c.has_A:
-            A = _rm(dt[c.a_dtype], (HV,))
-        if c.has_bias:
-            dt_bias = _rm(dt[c.bias_dtype], (cute.sym_int32(divisibility=K),), assumed_align=16)
-    inner = (V, K) if c.state_v_first else (K, V)
-    h0 = ht = None
-    if c.has_h0:
-        P = cute.sym_int32()
-        sp = cute.sym_int64(divisibility=4)
-        h0 = make_fake_tensor(cutlass.Float32, (P, HV, *inner), (sp, K * V, inner[1], 1),
-                              assumed_align=16)
-    if c.pool == 0 and c.has_ht:
-        NS = cute.sym_int32()
-        ht = make_fake_tensor(cutlass.Float32, (NS, HV, *inner),
-                              (cute.sym_int64(divisibility=4), K * V, inner[1], 1),
-                              assumed_align=16)
-    cu = _rm(dt[c.cu_dtype], (cute.sym_int32(),)) if c.varlen else None
-    idx = na = None
-    if c.pool == 1:
-        idx = _rm(dt[c.idx_dtype], (cute.sym_int32(),))
-    elif c.pool == 2:
-        idx = make_fake_tensor(dt[c.idx_dtype], (cute.sym_int32(), cute.sym_int32()),
-                               (cute.sym_int32(), 1))
-    if c.pool and c.spec:
-        na = _rm(dt[c.na_dtype], (cute.sym_int32(),))
-    return (q, k, v, g, beta, A, dt_bias, h0, ht, o, cu, idx, na,
-            Float32(1.0), Float32(-1.0), make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
 class RecurrentDecode:
@@ -471,16 +329,13 @@ class RecurrentDecode:
                     for t in cutlass.range(1, Tn, unroll=1):
                         _prefetch_tok(KDA, KVROW, NC, mQ, mK, mV, mG, b, bos + t, hq, hv, kl, vc)
                 for t in cutlass.range(Tn, unroll=1):
-                    if cutlass.const_expr(not cfg.prefetch_next) and t > 0:
-                        _load_tok(KDA, KVROW, TOKS, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt,
-                                  b, bos + t, hq, hv, kl, vc, tidx)
                     qf = rq8.load().to(f32)
                     kf = rk8.load().to(f32)
                     vf = [rv4[g].load().to(f32) for g in range(NC)]
                     gf = rg8.load().to(f32)
                     bt = rbt[0]
-                    if cutlass.const_expr(cfg.prefetch_next) and t + 1 < Tn:
-                        # prefetch the next token: its latency leaves the serial chain
+                    if t + 1 < Tn:
+                        # the next token's loads: their latency leaves the serial chain
                         _load_tok(KDA, KVROW, TOKS, mQ, mK, mV, mG, mBeta, rq8, rk8, rv4, rg8, rbt,
                                   b, bos + t + 1, hq, hv, kl, vc, tidx)
                     NT = 3 if cfg.l2norm else 1  # k.q (and |q|^2, |k|^2): from the staging with TOKS
@@ -532,9 +387,9 @@ class RecurrentDecode:
                     base = 2 * NCOL if KDA else NCOL
                     NR = base + (0 if TOKS else NT)  # values reduced below (TOKS: k.q etc. are done)
                     # kv_rows, 16 values (KDA, tok_smem, two column groups): each of a warp's 4 row-lanes
-                    # finishes one 16-byte quarter of the cross-warp sums (-40 SASS per token). Not with
-                    # one group (6 registers over 4 CTAs/SM; the precomputed-gate spec 96 -> 160) nor
-                    # lightning's 9 values (unaligned quarters, +12 registers): there all lanes sum all.
+                    # finishes one 16-byte quarter of the cross-warp sums (fewer instructions per token).
+                    # With one group, or lightning's 9 values (unaligned quarters), every lane sums all
+                    # values: there the quarters cost more registers than they save instructions.
                     QUARTERS = KVROW and NC == 2 and NR == 16
                     Q = (NR + 3) // 4
                     red = cute.make_rmem_tensor((max(base + NT, 4 * Q),), f32)
@@ -602,7 +457,7 @@ class RecurrentDecode:
                             qv = cute.make_rmem_tensor((Q,), f32)
                             src = cute.make_tensor(sRed[par, w, vl, None].iterator + (lane // 8) * Q,
                                                    cute.make_layout((Q,), stride=(1,)))
-                            cute.autovec_copy(_al(src, 16 if Q % 4 == 0 else 4), qv)
+                            cute.autovec_copy(assume_align(src, 16 if Q % 4 == 0 else 4), qv)
                             part.store(part.load() + qv.load())
                         for r in cutlass.range_constexpr(NR):
                             red[r] = cute.arch.shuffle_sync(part[r % Q], offset=vl + 8 * (r // Q))
@@ -640,7 +495,7 @@ class RecurrentDecode:
                                 _sset(rS[g], VF, i, jj, _sget(rS[g], VF, i, jj) + ki * ru[4 * g + jj])
                     if wr:
                         for g in cutlass.range_constexpr(NC):
-                            cute.autovec_copy(ro4[g], _vvec(mO[b, bos + t, hv, None], vc + 8 * g))
+                            cute.autovec_copy(ro4[g], vec4(mO[b, bos + t, hv, None], vc + 8 * g))
                     # ---- per-token state write into the pool (FLA continuous batching) ----
                     if cutlass.const_expr(POOL != 0):
                         ws = Int64(-1)
@@ -668,7 +523,7 @@ class RecurrentDecode:
                     if wr:
                         for t in cutlass.range(Tn, unroll=1):
                             for g in cutlass.range_constexpr(NC):
-                                cute.autovec_copy(ro4[g], _vvec(mO[b, bos + t, hv, None], vc + 8 * g))
+                                cute.autovec_copy(ro4[g], vec4(mO[b, bos + t, hv, None], vc + 8 * g))
 
         @cute.jit
         def launch(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor,
@@ -680,9 +535,10 @@ class RecurrentDecode:
             else:
                 nseq = mQ.shape[0]
             k = kernel(mQ, mK, mV, mG, mBeta, mA, mBias, mH0, mHt, mO, mCu, mIdx, mNa, scale, lower_bound)
-            # a CTA per tile; no shared memory beyond kv_rows' 3 KiB exchange: the carveout goes to L1
+            # a CTA per tile; a few KiB of shared memory at most (kv_rows' exchange, tok_smem's staging):
+            # the carveout goes to L1
             k.launch(grid=[NVB, mV.shape[2], nseq], block=[NTHR, 1, 1], stream=stream,
-                     min_blocks_per_mp=cfg.min_ctas, preferred_smem_carveout=0)
+                     preferred_smem_carveout=0)
 
         return launch
 
@@ -714,8 +570,8 @@ class RecurrentDecode:
 
 # Host policy (measured, docs/decode_kernels.md "v7"): [K,V] multi-token steps over many states take
 # 64-column CTAs (an 8 x 8 fragment per thread: fewer instructions per state element on the serial
-# token chain; T=4 -5..-14% at B >= 32), single-token steps and small grids 32-column CTAs
-# (4 CTAs/SM instead of 3 and twice the CTAs: T=1 1-2% faster, T=4 at B <= 8 4-11% faster).
+# token chain), single-token steps and small grids 32-column CTAs (4 CTAs/SM instead of 3, and twice
+# the CTAs).
 WIDE_MIN_STATES = 1024
 
 
@@ -725,32 +581,20 @@ def choose_bv(state_v_first: bool, multi_token: bool, n_states: int) -> int:
     return 64 if not state_v_first and multi_token and n_states >= WIDE_MIN_STATES else 32
 
 
-_fn_cache: dict = {}
-# Tuning knobs applied on top of every config the host wrappers build (DecodeConfig field -> value).
-# Empty in production: the defaults in DecodeConfig are the measured choice. Tests and
-# benchmarks/variants.py set candidates through set_tuning() to compare them in one process.
-TUNING: dict = {}
-
-
 def set_tuning(**knobs) -> None:
-    """Replace the tuning knobs (no arguments: back to the defaults) and drop cached kernels."""
-    from fla_cula import routing
-    bad = set(knobs) - {f.name for f in fields(DecodeConfig)}
-    if bad:
-        raise ValueError(f"unknown DecodeConfig fields {sorted(bad)}")
-    TUNING.clear()
-    TUNING.update(knobs)
-    routing.clear_plans()  # memoized plans hold compiled kernels
+    """Replace the DecodeConfig knobs applied over every config the host wrappers build (no
+    arguments: back to the defaults) and forget memoized plans (fla_cula.kernels._tuning)."""
+    TUNING.set("recurrent_decode", **knobs)
 
 
 def get_kernel(cfg: DecodeConfig):
-    """The compiled TVM-FFI callable for a config; process cache in front of fla_cula.jit."""
-    if TUNING:
-        cfg = dataclasses.replace(cfg, **TUNING)
-    ent = _fn_cache.get(cfg)
-    if ent is None:
-        ent = _fn_cache[cfg] = get_compiled(RecurrentDecode(cfg).spec())
-    return ent
+    """The compiled TVM-FFI callable for a config, tuning knobs applied."""
+    return TUNING.get("recurrent_decode", cfg)
+
+
+def compiled_configs() -> list:
+    """The configs (tuning knobs applied) this process has compiled or loaded."""
+    return TUNING.compiled_configs("recurrent_decode")
 
 
 def representative_configs() -> list:
@@ -786,6 +630,9 @@ def representative_configs() -> list:
         out.append(C(mode="kda", state_v_first=vf, l2norm=True, gate_in_kernel=True, has_A=True, has_bias=True,
                      beta_sigmoid=True, pool=2, spec=True, has_ht=False, varlen=True, tok_smem=False))
     return out
+
+
+TUNING.add("recurrent_decode", DecodeConfig, lambda c: RecurrentDecode(c).spec())
 
 
 @register_kernel("recurrent_decode")

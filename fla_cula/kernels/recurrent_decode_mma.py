@@ -37,24 +37,16 @@ Symbolic: B, T, H, HV, N, state count - as in recurrent_decode. No state pools (
 writes stay on recurrent_decode).
 """
 
-import dataclasses
 from dataclasses import dataclass, fields
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from fla_cula.jit import KernelSpec, get_compiled, register_kernel
+from fla_cula.jit import KernelSpec, register_kernel
+from fla_cula.kernels._dsl import assume_align, decode_fake_args, fexp, make_decay, make_seq_span, sigmoid, vec4
 from fla_cula.kernels._mma import mma3_m16n8k4, mma3_m16n8k8, tf32_split
-from fla_cula.kernels.recurrent_decode import (
-    _al,
-    _vvec,
-    decode_fake_args,
-    fexp,
-    make_decay,
-    make_seq_span,
-    sigmoid,
-)
+from fla_cula.kernels._tuning import TUNING
 
 C = 4            # tokens per chunk (MMA 1: N = 2C = 8; MMA 2: K = C = 4)
 NTHR = 128       # 4 warps; thread k stages K position k
@@ -88,9 +80,9 @@ class MmaDecodeConfig:
     has_lower_bound: bool = False
     beta_sigmoid: bool = False
     neg_eigval: bool = False
-    # CTAs per SM asked of ptxas: 4 caps registers at 128 (150 uncapped: 3 CTAs/SM; 7 spill instructions
-    # outside the MMAs). Measured (H200, session 6, T=4, graph replay): B=128 [K,V] 182.9 -> 165.9 us,
-    # [V,K] 177.1 -> 154.7 us; B=32 -3..-6%; B=1 +0.3-0.5 us. 0: no cap.
+    # CTAs per SM asked of ptxas (nvvm.minctasm; 0: no cap). 4 caps registers at 128 (24 B of stack),
+    # so registers and the ~31 KiB of shared memory both allow 4 CTAs/SM; uncapped, the serving
+    # config takes 144 registers and 3 CTAs/SM fit.
     min_ctas: int = 4
     # fixed here (read by decode_fake_args): KDA, K = V = 128, no state pool
     mode = "kda"
@@ -124,7 +116,7 @@ def _frag_view(VF, t2d, v0g, k0):
         vv = t2d.shape[1]
         lay = cute.make_layout(((4, 4), 4), stride=((vv, 16 * vv), 1))
         off = k0 * vv + v0g
-    return _al(cute.make_tensor(t2d.iterator + off, lay), 16)
+    return assume_align(cute.make_tensor(t2d.iterator + off, lay), 16)
 
 
 def _frag_regs(VF):
@@ -136,7 +128,7 @@ def _frag_regs(VF):
 
 def _smem_vec(base, off, n, dtype_bytes=4):
     """n contiguous 32-bit words of a shared-memory tensor at word offset `off` (aligned to n words)."""
-    return _al(cute.make_tensor(base.iterator + off, cute.make_layout((n,), stride=(1,))), n * dtype_bytes)
+    return assume_align(cute.make_tensor(base.iterator + off, cute.make_layout((n,), stride=(1,))), n * dtype_bytes)
 
 
 class RecurrentDecodeMma:
@@ -210,7 +202,7 @@ class RecurrentDecodeMma:
                 tok = bos + t0 + cutlass.min(t, cn - 1)
                 ok = t < cn
                 rv = cute.make_rmem_tensor((4,), mV.element_type)
-                cute.autovec_copy(_vvec(mV[b, tok, hv, None], v0 // 4 + g), rv)
+                cute.autovec_copy(vec4(mV[b, tok, hv, None], v0 // 4 + g), rv)
                 bt = f32(mBeta[b, tok, hv])
                 # ---- staging: thread k = tidx, tokens tau < C (past the sequence end: k = q = 0, alpha = 1)
                 qs = []
@@ -334,7 +326,7 @@ class RecurrentDecodeMma:
                     ro = cute.make_rmem_tensor((4,), mO.element_type)
                     for a in cutlass.range_constexpr(4):
                         ro[a] = ov[a].to(mO.element_type)
-                    cute.autovec_copy(ro, _vvec(mO[b, tok, hv, None], v0 // 4 + g))
+                    cute.autovec_copy(ro, vec4(mO[b, tok, hv, None], v0 // 4 + g))
 
                 # ---- MMA 2: S = diag(Gamma_3) S_0 + U E^T on this warp's 64 key rows (8 n-tiles x 2 m-tiles)
                 uu = [tf32_split(bt * acc[a] * rk_t) for a in range(4)]  # U[v, t] with E's raw k_t: rk_t here
@@ -406,30 +398,20 @@ def set_enabled(flag: bool) -> None:
     routing.clear_plans()  # memoized plans hold the compiled kernel they chose
 
 
-_fn_cache: dict = {}
-# Tuning knobs applied on top of every config (MmaDecodeConfig field -> value); empty in production.
-TUNING: dict = {}
-
-
 def set_tuning(**knobs) -> None:
-    """Replace the tuning knobs (no arguments: back to the defaults) and forget memoized plans."""
-    from fla_cula import routing
-    bad = set(knobs) - {f.name for f in fields(MmaDecodeConfig)}
-    if bad:
-        raise ValueError(f"unknown MmaDecodeConfig fields {sorted(bad)}")
-    TUNING.clear()
-    TUNING.update(knobs)
-    routing.clear_plans()
+    """Replace the MmaDecodeConfig knobs applied over every config (no arguments: back to the
+    defaults) and forget memoized plans (fla_cula.kernels._tuning)."""
+    TUNING.set("recurrent_decode_mma", **knobs)
 
 
 def get_kernel(cfg: MmaDecodeConfig):
-    """The compiled TVM-FFI callable for a config; process cache in front of fla_cula.jit."""
-    if TUNING:
-        cfg = dataclasses.replace(cfg, **TUNING)
-    ent = _fn_cache.get(cfg)
-    if ent is None:
-        ent = _fn_cache[cfg] = get_compiled(RecurrentDecodeMma(cfg).spec())
-    return ent
+    """The compiled TVM-FFI callable for a config, tuning knobs applied."""
+    return TUNING.get("recurrent_decode_mma", cfg)
+
+
+def compiled_configs() -> list:
+    """The configs (tuning knobs applied) this process has compiled or loaded."""
+    return TUNING.compiled_configs("recurrent_decode_mma")
 
 
 def representative_configs() -> list:
@@ -444,6 +426,9 @@ def representative_configs() -> list:
     out.append(M(state_v_first=True, varlen=True, has_h0=False, l2norm=True, gate_in_kernel=True, has_bias=True,
                  has_lower_bound=True, beta_sigmoid=True, neg_eigval=True))
     return out
+
+
+TUNING.add("recurrent_decode_mma", MmaDecodeConfig, lambda c: RecurrentDecodeMma(c).spec())
 
 
 @register_kernel("recurrent_decode_mma")

@@ -4,7 +4,9 @@ Each call validates as FLA does (same exceptions, same messages), decides kernel
 (`fla_cula.routing`), and runs one of them. The FLA functions called on a fallback are the
 originals captured when this module was first imported, so patching never loops back here.
 
-- chunk_kda:               no kernel yet -> FLA ("no kernel for this op yet").
+- chunk_kda:               our forward + FLA's backward (fla_cula.ops.chunk_autograd) where a forward
+                           serves the call; no kernel yet, so FLA ("no kernel for this op yet"), or
+                           FLA's forward in our Function with FLA_CULA_STAND_IN=1.
 - fused_recurrent_kda:     decode kernel (fla_cula.kernels.kda_decode) where it applies.
 - fused_recurrent_kda_fwd: the serving entry point (state pools, indices); same kernel.
 """
@@ -18,14 +20,14 @@ from fla.ops.kda import chunk as _fla_chunk
 from fla.ops.kda import fused_recurrent as _fla_fr
 
 from fla_cula import routing
+from fla_cula.ops.bounds import check_recurrent_kda_bounds
+from fla_cula.ops.chunk_autograd import ChunkKDAFunction, KDAChunkConfig, needs_grad
 
 # FLA's originals (dispatch wrappers included), captured before any patching.
 FLA_CHUNK_KDA = _fla_chunk.chunk_kda
 FLA_FUSED_RECURRENT_KDA = _fla_fr.fused_recurrent_kda
 FLA_FUSED_RECURRENT_KDA_FWD = _fla_fr.fused_recurrent_kda_fwd
 
-_DECODE = routing.LazyKernel("kda_decode")
-_PLANS = routing.plan_cache()  # both decode entry points: their kernel arguments are the same 21
 
 
 def _pop_transpose_state_layout(kwargs: dict, state_v_first: bool) -> bool:
@@ -57,6 +59,40 @@ def _check_varlen(q: torch.Tensor, initial_state, cu_seqlens, sep: str = "") -> 
             )
 
 
+def _validate_chunk_kda(q, k, v, g, beta, initial_state, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                        allow_neg_eigval, safe_gate, lower_bound, cu_seqlens, kwargs) -> tuple:
+    """FLA's chunk_kda argument checks, in FLA's order with FLA's exceptions and messages.
+    Returns (A_log, dt_bias, chunk_size) as FLA reads them from kwargs."""
+    _check_varlen(q, initial_state, cu_seqlens)
+    if initial_state is not None:
+        assert initial_state.dtype == torch.float32, "initial_state must be in float32."
+    A_log = dt_bias = None
+    if use_gate_in_kernel:
+        A_log, dt_bias = kwargs.get("A_log"), kwargs.get("dt_bias")
+        if A_log is None and lower_bound is None:
+            raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True` and `lower_bound` is not set.")
+    chunk_size = kwargs.get("chunk_size", 64)
+    if chunk_size not in (32, 64):
+        raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {chunk_size}.")
+    if safe_gate and use_gate_in_kernel:
+        if lower_bound is None:
+            raise ValueError("`lower_bound` must be specified when `safe_gate=True` and `use_gate_in_kernel=True`.")
+        if not (-5 <= lower_bound < 0):
+            raise ValueError(f"`lower_bound` must be in the safe range [-5, 0), got {lower_bound}.")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
+    B, T, H, K, HV = *q.shape, v.shape[2]
+    assert q.shape == k.shape, f"q and k must have the same shape, got q={q.shape} vs k={k.shape}"
+    assert K <= 256, f"Currently we only support key headdim <=256 for KDA, got {K}."
+    assert HV % H == 0, (
+        f"For GVA, num_v_heads (HV={HV}) must be evenly divisible by num_qk_heads (H={H}), "
+        f"but got HV % H = {HV % H}"
+    )
+    assert g.shape == (B, T, HV, K), f"g must have shape [B, T, HV, K]={[B, T, HV, K]}, got {list(g.shape)}"
+    assert beta.shape == (B, T, HV), f"beta must have shape [B, T, HV]={[B, T, HV]}, got {list(beta.shape)}"
+    return A_log, dt_bias, chunk_size
+
+
 @torch.compiler.disable
 def chunk_kda(
     q: torch.Tensor,
@@ -83,15 +119,44 @@ def chunk_kda(
     max_num_seqs: int | None = None,
     **kwargs,
 ):
-    """FLA's chunk_kda (prefill/training). No fla_cula kernel yet: always FLA, with the reason."""
+    """FLA's chunk_kda (prefill and training): FLA's checks, then fla_cula's forward with FLA's backward
+    (fla_cula.ops.chunk_autograd) where a forward serves the call, else FLA with the reason."""
     args = (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
             use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
             disable_recompute, return_intermediate_states, state_v_first, cu_seqlens, cu_seqlens_cpu,
             cp_context, use_graph, max_num_seqs)
-    if not routing.in_fallback():
-        reason = routing.common_reason(q, k, v, g, beta, initial_state) or routing.NO_KERNEL_YET
-        routing.record_fallback("chunk_kda", reason)
-    return routing.call_fla(FLA_CHUNK_KDA, *args, **kwargs)
+    if routing.in_fallback():
+        return routing.call_fla(FLA_CHUNK_KDA, *args, **kwargs)
+    state_v_first = _pop_transpose_state_layout(kwargs, state_v_first)
+    args = args[:16] + (state_v_first,) + args[17:]
+    if cp_context is not None or not isinstance(q, torch.Tensor):  # FLA's own checks and overrides apply
+        routing.record_fallback("chunk_kda", "cp_context: context-parallel KDA stays on FLA"
+                                if cp_context is not None else f"q is {type(q).__name__}, not a tensor")
+        return routing.call_fla(FLA_CHUNK_KDA, *args, **kwargs)
+    A_log, dt_bias, chunk_size = _validate_chunk_kda(
+        q, k, v, g, beta, initial_state, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+        safe_gate, lower_bound, cu_seqlens, kwargs)
+    cfg = KDAChunkConfig(
+        scale=float(k.shape[-1] ** -0.5 if scale is None else scale), output_final_state=bool(output_final_state),
+        use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel), use_gate_in_kernel=bool(use_gate_in_kernel),
+        use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel), allow_neg_eigval=bool(allow_neg_eigval),
+        safe_gate=bool(safe_gate), lower_bound=None if lower_bound is None else float(lower_bound),
+        state_v_first=bool(state_v_first), chunk_size=chunk_size, disable_recompute=bool(disable_recompute),
+        return_intermediate_states=bool(return_intermediate_states), cp=False, use_graph=bool(use_graph))
+    plan_args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, cfg)
+    fwd = routing.route("chunk_kda", plan_args, (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens))
+    if fwd is None:
+        return routing.call_fla(FLA_CHUNK_KDA, *args, **kwargs)
+    if return_intermediate_states:
+        assert torch.is_inference_mode_enabled(), "return_intermediate_states is only allowed in inference mode"
+        assert disable_recompute is False, "return_intermediate_states must be used with disable_recompute=False"
+        r = fwd(*plan_args, False)
+        return r.o.type_as(q), r.final_state, r.h
+    if needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
+        return ChunkKDAFunction.apply(fwd, cfg, cu_seqlens, cu_seqlens_cpu, q, k, v, g, beta, A_log, dt_bias,
+                                      initial_state)
+    r = fwd(*plan_args, False)
+    return r.o.type_as(q), r.final_state
 
 
 def fused_recurrent_kda_fwd(
@@ -175,19 +240,13 @@ def _(q, k, v, g, beta, A_log, dt_bias, initial_state, scale, output_final_state
     return q.new_empty((N, HV, V, K) if state_v_first else (N, HV, K, V), dtype=torch.float32)
 
 
-def _decide(kargs: tuple) -> tuple:
-    """routing.route's decide(): `kargs` are fused_recurrent_kda_fwd's 21 arguments, scale resolved."""
-    q, k, v, g, beta = kargs[:5]
-    pre = routing.device_reason(q, k, v, g, beta, kargs[7], kargs[20]) or _DECODE.reason()
-    if pre:
-        return pre, None, None
-    post, go = _DECODE.mod.plan(*kargs)
-    return None, post, go
-
-
 def _route_decode(op: str, kargs: tuple):
-    """The kernel's (out, final_state), or None after recording the fallback."""
-    go = routing.route(op, _PLANS, kargs, kargs[:5] + (kargs[7], kargs[20]), lambda: _decide(kargs))
+    """The kernel's (out, final_state), or None after recording the fallback. `kargs`: the decode
+    kernel's plan arguments, fused_recurrent_kda_fwd's 21 in order with scale resolved. Arguments with
+    which FLA's kernel or ours would address memory outside a tensor raise ValueError first
+    (fla_cula.ops.bounds), whichever way the call then goes."""
+    go = routing.route(op, kargs, kargs[:5] + (kargs[7], kargs[20]),
+                       validate=lambda: check_recurrent_kda_bounds(*kargs))
     return None if go is None else go(kargs)
 
 

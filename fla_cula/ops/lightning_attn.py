@@ -4,7 +4,8 @@ Lightning attention is simple GLA with a per-head constant log decay
 ``g_gamma[h] = -(8 / H * (1 - layer_idx / num_layers)) * h`` (float32):
 ``S_t = exp(g_gamma[h]) S_{t-1} + k_t v_t^T``,  ``o_t = S_t^T (scale q_t)``.
 
-- chunk_lightning_attn:          no kernel yet -> FLA.
+- chunk_lightning_attn:          our forward + FLA's chunk_simple_gla backward (fla_cula.ops.chunk_autograd)
+                                  where the prefill kernel serves the call, else FLA with the reason.
 - fused_recurrent_lightning_attn: decode kernel (fla_cula.kernels.lightning_decode) where it applies.
 - fused_recurrent_simple_gla:    the same kernel when called with a g_gamma and no per-token gate
                                   (FLA's lightning calls it by module global, so patching it covers
@@ -19,14 +20,13 @@ from fla.ops.lightning_attn import fused_recurrent as _fla_fr
 from fla.ops.simple_gla import fused_recurrent as _fla_sgla_fr
 
 from fla_cula import routing
+from fla_cula.ops.chunk_autograd import ChunkLightningFunction, LightningChunkConfig, needs_grad
 from fla_cula.ops.kda import _check_varlen, _pop_transpose_state_layout
 
 FLA_CHUNK_LIGHTNING_ATTN = _fla_chunk.chunk_lightning_attn
 FLA_FUSED_RECURRENT_LIGHTNING_ATTN = _fla_fr.fused_recurrent_lightning_attn
 FLA_FUSED_RECURRENT_SIMPLE_GLA = _fla_sgla_fr.fused_recurrent_simple_gla
 
-_DECODE = routing.LazyKernel("lightning_decode")
-_PLANS = routing.plan_cache()
 _g_gamma_cache: dict[tuple, torch.Tensor] = {}
 
 
@@ -54,33 +54,40 @@ def chunk_lightning_attn(
     cu_seqlens: torch.LongTensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """FLA's chunk_lightning_attn. No fla_cula kernel yet: always FLA, with the reason."""
-    if not routing.in_fallback():
-        reason = routing.common_reason(q, k, v, initial_state) or routing.NO_KERNEL_YET
-        routing.record_fallback("chunk_lightning_attn", reason)
-    return routing.call_fla(FLA_CHUNK_LIGHTNING_ATTN, q, k, v, layer_idx, num_layers, scale, initial_state,
-                            output_final_state, cu_seqlens, **kwargs)
+    """FLA's chunk_lightning_attn: FLA's checks, then fla_cula's forward with FLA's backward where a
+    forward serves the call, else FLA with the reason. Like FLA it pops only chunk_size from kwargs."""
+    args = (q, k, v, layer_idx, num_layers, scale, initial_state, output_final_state, cu_seqlens)
+    if routing.in_fallback():
+        return routing.call_fla(FLA_CHUNK_LIGHTNING_ATTN, *args, **kwargs)
+    if "head_first" in kwargs:
+        raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
+    chunk_size = kwargs.get("chunk_size")
+    if not isinstance(q, torch.Tensor) or (chunk_size is not None and (
+            not isinstance(chunk_size, int) or chunk_size != 2 ** (chunk_size.bit_length() - 1))):
+        routing.record_fallback("chunk_lightning_attn", "arguments FLA checks itself (chunk_size, q)")
+        return routing.call_fla(FLA_CHUNK_LIGHTNING_ATTN, *args, **kwargs)
+    _check_varlen(q, initial_state, cu_seqlens, sep=" ")
+    g_gamma = g_gamma_for(q.shape[2], layer_idx, num_layers, q.device)
+    cfg = LightningChunkConfig(scale=float(k.shape[-1] ** -0.5 if scale is None else scale),
+                               output_final_state=bool(output_final_state), chunk_size=chunk_size or 64)
+    plan_args = (q, k, v, g_gamma, initial_state, cu_seqlens, cfg)
+    fwd = routing.route("chunk_lightning_attn", plan_args, (q, k, v, initial_state, cu_seqlens))
+    if fwd is None:
+        return routing.call_fla(FLA_CHUNK_LIGHTNING_ATTN, *args, **kwargs)
+    if needs_grad(q, k, v, initial_state):
+        return ChunkLightningFunction.apply(fwd, cfg, cu_seqlens, q, k, v, g_gamma, initial_state)
+    o, ht = fwd(q, k, v, g_gamma, initial_state, cu_seqlens, cfg, None)
+    return o.to(q.dtype), ht
 
 
-def _route_decode(op, key_args, q, k, v, g_gamma_fn, scale, initial_state, output_final_state, reverse,
-                  state_v_first, cu_seqlens):
-    """Kernel result, or None after recording the fallback reason. `key_args` determine the decision
-    (routing.signature): the op's own arguments, from which g_gamma_fn() follows."""
+def _route_decode(op, q, k, v, g_gamma, scale, initial_state, output_final_state, reverse, state_v_first,
+                  cu_seqlens):
+    """Kernel result, or None after recording the fallback reason."""
     if scale is None:
         scale = k.shape[-1] ** -0.5
-
-    def decide():
-        pre = routing.device_reason(q, k, v, initial_state) or _DECODE.reason()
-        if pre:
-            return pre, None, None
-        post, go = _DECODE.mod.plan(q, k, v, g_gamma_fn(), scale, initial_state, output_final_state, reverse,
-                                    state_v_first, cu_seqlens)
-        return None, post, go
-
-    go = routing.route(op, _PLANS, (op, scale, *key_args), (q, k, v, initial_state), decide)
-    if go is None:
-        return None
-    return go((q, k, v, g_gamma_fn(), scale, initial_state, output_final_state, reverse, state_v_first, cu_seqlens))
+    kargs = (q, k, v, g_gamma, scale, initial_state, output_final_state, reverse, state_v_first, cu_seqlens)
+    go = routing.route(op, kargs, (q, k, v, initial_state))
+    return None if go is None else go(kargs)
 
 
 @torch.compiler.disable
@@ -101,8 +108,8 @@ def fused_recurrent_lightning_attn(
     if routing.in_fallback():
         return routing.call_fla(FLA_FUSED_RECURRENT_LIGHTNING_ATTN, *args)
     _check_varlen(q, initial_state, cu_seqlens, sep=" ")
-    res = _route_decode("fused_recurrent_lightning_attn", args, q, k, v,
-                        lambda: g_gamma_for(q.shape[2], layer_idx, num_layers, q.device),
+    res = _route_decode("fused_recurrent_lightning_attn", q, k, v,
+                        g_gamma_for(q.shape[2], layer_idx, num_layers, q.device),
                         scale, initial_state, output_final_state, reverse, False, cu_seqlens)
     if res is not None:
         return res
@@ -138,8 +145,7 @@ def fused_recurrent_simple_gla(
         routing.record_fallback(op, reason)
         res = None
     else:
-        key = (q, k, v, g_gamma, initial_state, output_final_state, reverse, state_v_first, cu_seqlens)
-        res = _route_decode(op, key, q, k, v, lambda: g_gamma, scale, initial_state, output_final_state, reverse,
+        res = _route_decode(op, q, k, v, g_gamma, scale, initial_state, output_final_state, reverse,
                             state_v_first, cu_seqlens)
     if res is not None:
         return res

@@ -281,7 +281,7 @@ def tuned(request):
         state = dict(knobs)
         yield state
         if not state.get("skipped"):
-            ran = [c for c in recurrent_decode._fn_cache if all(getattr(c, k) == x for k, x in knobs.items())]
+            ran = [c for c in recurrent_decode.compiled_configs() if all(getattr(c, k) == x for k, x in knobs.items())]
             assert ran, f"no kernel with {knobs} ran"
     finally:
         recurrent_decode.set_tuning()
@@ -359,7 +359,7 @@ def test_tuned_full_grid(vf, knobs):
         out = _nan_like(v)
         o, _ = fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=pool, inplace_final_state=True,
                                        ssm_state_indices=idx, num_accepted_tokens=na, out=out, **kw)
-        assert any(all(getattr(c, a) == x for a, x in knobs.items()) for c in recurrent_decode._fn_cache)
+        assert any(all(getattr(c, a) == x for a, x in knobs.items()) for c in recurrent_decode.compiled_configs())
     finally:
         recurrent_decode.set_tuning()
     ro, rpool = kda_decode_pool(q, k, v, g, beta, initial_state=before, inplace_final_state=True,

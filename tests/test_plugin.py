@@ -1,0 +1,80 @@
+"""The pytest plugin's route summary (CPU): counted in-process, and added up over pytest-xdist workers.
+
+Each case runs pytest in a subprocess (pytester) on a tiny test file that records routes through
+fla_cula.routing, as an op does: record_kernel for a kernel call, record_fallback for a fallback.
+"""
+
+import re
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+_TESTS = """
+import os
+from fla_cula import routing
+
+def _one():
+    routing.record_kernel("fused_recurrent_kda_fwd")
+    routing.record_fallback("chunk_kda", "from " + os.environ.get("PYTEST_XDIST_WORKER", "main"))
+
+def test_a():
+    _one()
+
+def test_b():
+    _one()
+
+def test_c():
+    _one()
+"""
+
+
+def _summary(result) -> list[str]:
+    out = result.stdout.lines
+    start = next(i for i, line in enumerate(out) if "fla_cula routes" in line)
+    return [line for line in out[start + 1:] if line.strip() and not line.startswith("=")]
+
+
+def _run(pytester, *args):
+    pytester.makepyfile(test_tiny=_TESTS)
+    return pytester.runpytest_subprocess("-p", "fla_cula.testing.plugin", "-p", "no:cacheprovider", *args)
+
+
+def test_summary_in_process(pytester):
+    result = _run(pytester)
+    result.assert_outcomes(passed=3)
+    lines = _summary(result)
+    assert "fused_recurrent_kda_fwd: kernel=3 fallbacks={}" in lines
+    assert "chunk_kda: kernel=0 fallbacks={'from main': 3}" in lines
+    assert not any("xdist" in line for line in lines)
+
+
+def test_summary_adds_up_xdist_workers(pytester):
+    pytest.importorskip("xdist")
+    result = _run(pytester, "-n", "2")
+    result.assert_outcomes(passed=3)
+    lines = _summary(result)
+    assert "routes counted in 2 of 2 xdist workers and the controller" in lines
+    assert "no fla_cula op was called" not in lines
+    assert "fused_recurrent_kda_fwd: kernel=3 fallbacks={}" in lines
+    (chunk,) = [line for line in lines if line.startswith("chunk_kda:")]
+    counts = {w: int(n) for w, n in re.findall(r"'from (gw\d)': (\d+)", chunk)}
+    assert sum(counts.values()) == 3 and set(counts) <= {"gw0", "gw1"}, chunk   # the workers' calls, each once
+
+
+def test_summary_names_a_worker_that_sent_nothing(pytester):
+    """A worker that dies before sessionfinish sends no routes: the summary says so."""
+    pytest.importorskip("xdist")
+    pytester.makepyfile(test_crash="""
+import os
+from fla_cula import routing
+
+def test_dies():
+    routing.record_kernel("fused_recurrent_kda_fwd")
+    os._exit(1)
+""")
+    result = pytester.runpytest_subprocess("-p", "fla_cula.testing.plugin", "-p", "no:cacheprovider", "-n", "1",
+                                           "--max-worker-restart", "0")
+    lines = _summary(result)
+    assert any(line.startswith("NOT COLLECTED: workers gw0 ended without sending their routes") for line in lines), \
+        lines
