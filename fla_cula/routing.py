@@ -318,7 +318,8 @@ def route(op: str, plan_args: tuple, tensors: tuple, key_args=None, validate: Ca
     pre, post, chosen = ent
     reason = pre or (grad_reason(tensors) if spec.grad == FORWARD_ONLY else None) or post
     if reason is None and sized:
-        reason = size_reason(tensors)
+        check = getattr(chosen[0], "size_reason", None)  # a plan's own per-call size checks
+        reason = size_reason(tensors) or (check(*plan_args) if check is not None else None)
     if reason is None:
         plan, label = chosen
         record_kernel(op, label)

@@ -56,7 +56,7 @@ class OpSpec:
 KERNELS: dict[str, KernelEntry] = {e.name: e for e in (
     KernelEntry("kda_decode", "fla_cula.kernels.kda_decode", "CuTe DSL"),
     KernelEntry("lightning_decode", "fla_cula.kernels.lightning_decode", "CuTe DSL"),
-    KernelEntry("lightning_prefill", "fla_cula.kernels.lightning_prefill", "CuTe DSL"),
+    KernelEntry("lightning_prefill", "fla_cula.kernels.lightning_prefill", "CuTe DSL", plan="plan_chunk"),
     KernelEntry("varlen_schedule", "fla_cula.kernels.varlen_schedule", "CUDA C++", plan="chunk_schedule"),
     KernelEntry("probe", "fla_cula.kernels.probe", "CuTe DSL", plan="scale_add_"),
     KernelEntry("stand_in_chunk_kda", "fla_cula.ops.stand_in", "FLA (stand-in)", plan="plan_chunk_kda",
@@ -77,7 +77,8 @@ OPS: dict[str, OpSpec] = {s.op: s for s in (
     OpSpec("fused_recurrent_lightning_attn", "lightning_decode", FORWARD_ONLY),
     OpSpec("fused_recurrent_simple_gla", "lightning_decode", FORWARD_ONLY),
     OpSpec("chunk_kda", None, FLA_BACKWARD, "stand_in_chunk_kda", _KDA_CHUNK_DIMS),
-    OpSpec("chunk_lightning_attn", None, FLA_BACKWARD, "stand_in_chunk_lightning_attn", _LIGHTNING_CHUNK_DIMS),
+    OpSpec("chunk_lightning_attn", "lightning_prefill", FLA_BACKWARD, "stand_in_chunk_lightning_attn",
+           _LIGHTNING_CHUNK_DIMS),
 )}
 
 _lock = threading.Lock()

@@ -200,11 +200,13 @@ def test_chunk_lightning_grads_bit_identical_to_fla(case):
     for name, a, b, a2 in zip(names, ref, ours, ref2, strict=True):
         if a is None:
             assert b is None
-        elif st["kernel"]:  # the prefill kernel's forward: FLA's tolerances (the kernel's own tests hold it to fp64)
+        elif st["kernel"] and name in ("o", "ht"):
+            # the prefill kernel's forward: FLA's tolerance here (tests/gpu/test_lightning_prefill.py holds
+            # it to the fp64 reference); the gradients below are FLA's backward on the same inputs
             from fla.utils import assert_close
-            assert_close(name, a, b, 0.005 if name in ("o", "ht") else 0.008)
+            assert_close(name, a, b, 0.005)
         elif torch.equal(a, a2):
-            assert torch.equal(a, b), name
+            assert torch.equal(a, b), f"{name}: not bit-identical to FLA's"
         else:
             assert (a.float() - b.float()).abs().max() <= (a.float() - a2.float()).abs().max(), name
 
@@ -233,12 +235,17 @@ def test_kda_layer_compiles_forward_and_backward():
     assert fla_cula.status()["chunk_kda"]["stand_in"] >= 1
 
 
-def test_thousand_lengths_one_decision():
-    """Prefill lengths change every call: one memo entry for 1,000 lengths, on the GPU path too."""
+def test_thousand_lengths_one_decision_one_compile():
+    """Prefill lengths change every call: 1,000 lengths are one memo entry and at most one compile
+    (batch and length are runtime values in the kernel and in the routing key)."""
+    from fla_cula import jit
     routing.clear_plans()
+    before = jit.stats["compiled"] + jit.stats["disk_hits"]
     with torch.no_grad():
         for t in range(1, 1001):
             x = torch.randn(1, t, 2, 64, dtype=torch.bfloat16, device="cuda")
             fla_cula.chunk_lightning_attn(x, x, x, 0, 2)
+    st = fla_cula.status()["chunk_lightning_attn"]
+    assert st["kernel"] == 1000, st
     assert routing.memo_size("chunk_lightning_attn") == 1
-    assert fla_cula.status()["chunk_lightning_attn"]["calls"] == 1000
+    assert jit.stats["compiled"] + jit.stats["disk_hits"] - before <= 1

@@ -1,0 +1,236 @@
+"""GPU tests of the lightning prefill kernel (fla_cula/kernels/lightning_prefill.py) called directly
+through its host wrapper (`lightning_prefill.run`, the chunk_simple_gla(g_gamma=...) forward).
+
+Every case: fresh random inputs; outputs allocated under NaN-filled torch.empty (an unwritten element
+shows up); o and the final state within relative RMS 0.005 of the fp64 recurrent reference
+(fla_cula.reference) AND no worse than 1.5x FLA 0.6.0's chunk_lightning_attn error on the same inputs
+(+1e-4 absolute slack for cases where both errors are at the output-rounding level); inputs unchanged.
+g_gamma is lightning's, layer_idx 0 of 24 (g from 0 down to -7.9 for H=64) unless a case says otherwise.
+
+    python -m pytest -q tests/gpu/test_lightning_prefill.py
+"""
+
+import pytest
+import torch
+
+from fla_cula.reference.compare import rel_rms
+from fla_cula.reference.lightning import lightning_g_gamma, simple_gla_recurrent
+
+DEV = "cuda"
+TOL = 0.005          # FLA's assert_close ratio for o and states (tests/ops/test_lightning_attn.py)
+VS_FLA = 1.5         # our error / FLA's error, same inputs, same reference
+SLACK = 1e-4
+
+
+def _lp():
+    from fla_cula.kernels import lightning_prefill
+    return lightning_prefill
+
+
+VARIANTS = {"sync-kv1": {}, "sync-kv2": {"kv_stages": 2}, "sync-bv32": {"bv": 32}, "wgmma": {"mma": "wgmma"}}
+
+
+@pytest.fixture(params=list(VARIANTS))
+def variant(request):
+    """Every kernel variant (LightningPrefillConfig knobs kv_stages / bv / mma) through the tuning knob; the
+    default (sync-kv1, v1) is also covered by the full matrices below without this fixture."""
+    lp = _lp()
+    lp.set_tuning(**VARIANTS[request.param])
+    yield request.param
+    lp.set_tuning()
+
+
+def _inputs(B, T, H, D=128, dtype=torch.bfloat16, h0=None, N=None, seed=0):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(B, T, H, D, device=DEV, generator=gen).to(dtype)
+    k = torch.randn(B, T, H, D, device=DEV, generator=gen).to(dtype)
+    v = torch.randn(B, T, H, D, device=DEV, generator=gen).to(dtype)
+    s = None
+    if h0 is not None:
+        s = torch.randn(N if N is not None else B, H, D, D, device=DEV, generator=gen).to(h0)
+    return q, k, v, s
+
+
+def _check(q, k, v, h0, output_final_state, cu=None, layer_idx=0, num_layers=24, scale=None, fla_fns=None):
+    """Run ours (NaN-poisoned allocations), FLA and the fp64 reference; assert the bars; return errors."""
+    from parity.runner import nan_empty
+    lp = _lp()
+    H, D = q.shape[2], q.shape[3]
+    scale = D ** -0.5 if scale is None else scale
+    g = lightning_g_gamma(H, layer_idx, num_layers, device=DEV)
+    before = [x.clone() if x is not None else None for x in (q, k, v, g, h0, cu)]
+    with nan_empty():
+        o, ht = lp.run(q, k, v, g, scale, h0, output_final_state, cu)
+    torch.cuda.synchronize()
+    for x, x0 in zip((q, k, v, g, h0, cu), before, strict=True):
+        if x is not None:
+            assert torch.equal(x, x0), "an input was modified"
+    assert o.dtype == q.dtype and o.shape == v.shape
+    assert torch.isfinite(o).all(), "unwritten (NaN) or non-finite output rows"
+    N = q.shape[0] if cu is None else cu.numel() - 1
+    if output_final_state:
+        assert ht is not None and ht.dtype == torch.float32 and ht.shape == (N, H, D, D)
+        assert torch.isfinite(ht).all(), "unwritten (NaN) final state"
+    else:
+        assert ht is None
+
+    ro, rs = simple_gla_recurrent(q, k, v, g, scale=scale, initial_state=h0, output_final_state=True,
+                                  cu_seqlens=cu)
+    e_o = rel_rms(ro, o)
+    e_s = rel_rms(rs, ht) if output_final_state else 0.0
+    errs = {"o": e_o, "ht": e_s}
+    if fla_fns is not None:
+        fo, fs = fla_fns["chunk_lightning_attn"](q, k, v, layer_idx, num_layers, scale=scale, initial_state=h0,
+                                                 output_final_state=True,
+                                                 cu_seqlens=cu.long() if cu is not None else None)
+        f_o, f_s = rel_rms(ro, fo), rel_rms(rs, fs)
+        errs.update(fla_o=f_o, fla_ht=f_s)
+        assert e_o <= VS_FLA * f_o + SLACK, errs
+        if output_final_state:
+            assert e_s <= VS_FLA * f_s + SLACK, errs
+    print(f"\n{tuple(q.shape)} {q.dtype} h0={None if h0 is None else h0.dtype} varlen={cu is not None} "
+          + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))   # shown with -s (and on failure)
+    assert e_o <= TOL and e_s <= TOL, errs
+    return errs, o, ht
+
+
+@pytest.mark.parametrize("H", [8, 64])
+@pytest.mark.parametrize("B", [1, 2])
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 1000, 4096])
+def test_dense_bf16_h0(T, B, H, fla_fns):
+    q, k, v, h0 = _inputs(B, T, H, h0=torch.float32, seed=T * 7 + B * 3 + H)
+    _check(q, k, v, h0, True, fla_fns=fla_fns)
+
+
+@pytest.mark.parametrize("H", [8, 64])
+@pytest.mark.parametrize("T", [1, 63, 65, 4096])
+def test_variants_dense(T, H, variant, fla_fns):
+    q, k, v, h0 = _inputs(2, T, H, h0=torch.float32, seed=T * 5 + H)
+    _check(q, k, v, h0, True, fla_fns=fla_fns)
+
+
+@pytest.mark.parametrize("out_state", [True, False], ids=["ht", "noht"])
+@pytest.mark.parametrize("h0", [None, torch.float32, torch.bfloat16, torch.float16], ids=["noh0", "h0f32", "h0bf16",
+                                                                                         "h0f16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_flags(dtype, h0, out_state, fla_fns):
+    q, k, v, s = _inputs(2, 1000, 8, dtype=dtype, h0=h0, seed=11)
+    _check(q, k, v, s, out_state, fla_fns=fla_fns)
+
+
+@pytest.mark.parametrize("case", [(torch.float16, torch.bfloat16, False), (torch.bfloat16, None, True)],
+                         ids=["fp16-h0bf16-noht", "bf16-noh0-ht"])
+def test_variants_flags(case, variant, fla_fns):
+    dtype, h0, out_state = case
+    q, k, v, s = _inputs(2, 700, 8, dtype=dtype, h0=h0, seed=13)
+    _check(q, k, v, s, out_state, fla_fns=fla_fns)
+
+
+@pytest.mark.parametrize("T", [65, 4096])
+def test_dense_fp16_h64(T, variant, fla_fns):
+    q, k, v, h0 = _inputs(2, T, 64, dtype=torch.float16, h0=torch.float32, seed=T)
+    _check(q, k, v, h0, True, fla_fns=fla_fns)
+
+
+@pytest.mark.parametrize("layer", [(12, 24), (23, 24)], ids=["mid", "last"])
+def test_other_layers_and_scale(layer, fla_fns):
+    """Weaker decays (the deep layers) and a non-default scale."""
+    q, k, v, h0 = _inputs(1, 2000, 64, h0=torch.float32, seed=5)
+    _check(q, k, v, h0, True, layer_idx=layer[0], num_layers=layer[1], scale=0.05, fla_fns=fla_fns)
+
+
+@pytest.mark.parametrize("T", [65, 1000])
+def test_head_dim_64(T, variant, fla_fns):
+    q, k, v, h0 = _inputs(2, T, 16, D=64, h0=torch.float32, seed=T + 1)
+    _check(q, k, v, h0, True, fla_fns=fla_fns)
+
+
+def _lens_cases():
+    g = torch.Generator().manual_seed(3)
+    many_short = torch.randint(1, 70, (40,), generator=g).tolist()
+    return {
+        "skewed": [3, 4000, 100, 1],
+        "many_short": many_short,
+        "empty_first_mid_last": [0, 64, 0, 130, 1, 0],
+        "one_long": [5000],
+        "chunk_edges": [63, 64, 65, 128, 129],
+    }
+
+
+LENS = _lens_cases()
+
+
+@pytest.mark.parametrize("cu_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
+@pytest.mark.parametrize("h0", [None, torch.float32], ids=["noh0", "h0"])
+@pytest.mark.parametrize("name", list(LENS))
+def test_varlen(name, h0, cu_dtype, fla_fns):
+    lens = LENS[name]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=cu_dtype, device=DEV)
+    T = int(cu[-1])
+    q, k, v, s = _inputs(1, T, 8, h0=h0, N=len(lens), seed=len(lens) + T)
+    # empty sequences: FLA's behaviour there is not our bar; the fp64 reference is
+    _, o, ht = _check(q, k, v, s, True, cu=cu, fla_fns=None if 0 in lens else fla_fns)
+    for n, L in enumerate(lens):   # an empty sequence's final state is its initial state (or 0), exactly
+        if L == 0:
+            assert torch.equal(ht[n], s[n] if s is not None else torch.zeros_like(ht[n]))
+
+
+@pytest.mark.parametrize("name", list(LENS))
+def test_variants_varlen(name, variant, fla_fns):
+    lens = LENS[name]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    q, k, v, s = _inputs(1, int(cu[-1]), 8, h0=torch.float32, N=len(lens), seed=len(lens) + 17)
+    _, o, ht = _check(q, k, v, s, True, cu=cu, fla_fns=None if 0 in lens else fla_fns)
+    for n, L in enumerate(lens):
+        if L == 0:
+            assert torch.equal(ht[n], s[n])
+
+
+def test_varlen_fp16_h64(variant, fla_fns):
+    lens = [1, 700, 0, 2048, 65]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    q, k, v, s = _inputs(1, int(cu[-1]), 64, dtype=torch.float16, h0=torch.float32, N=len(lens), seed=9)
+    _check(q, k, v, s, True, cu=cu, fla_fns=fla_fns)
+
+
+def test_one_compile_serves_every_size():
+    """B, T, H, N are symbolic: after one call, new sizes with the same flags run (correctly) on the same
+    compiled function, with no compile and no disk load."""
+    from fla_cula import jit
+    lp = _lp()
+    q, k, v, h0 = _inputs(1, 70, 8, h0=torch.float32, seed=1)
+    _check(q, k, v, h0, True)
+    n0 = (jit.stats["compiled"], jit.stats["disk_hits"], len(lp.compiled_configs()))
+    for B, T, H in ((2, 300, 16), (3, 5, 64), (1, 4097, 2)):
+        q, k, v, h0 = _inputs(B, T, H, h0=torch.float32, seed=B + T)
+        _check(q, k, v, h0, True)
+    assert (jit.stats["compiled"], jit.stats["disk_hits"], len(lp.compiled_configs())) == n0
+
+
+def test_non_default_stream_and_device_current():
+    """The launch uses the caller's current stream: results are ready after that stream syncs."""
+    lp = _lp()
+    q, k, v, h0 = _inputs(2, 513, 8, h0=torch.float32, seed=21)
+    g = lightning_g_gamma(8, 0, 24, device=DEV)
+    ref, _ = lp.run(q, k, v, g, 128 ** -0.5, h0, True, None)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        o, ht = lp.run(q, k, v, g, 128 ** -0.5, h0, True, None)
+    s.synchronize()
+    assert torch.equal(o, ref)
+
+
+def test_plan_chunk_form_matches_run():
+    """The ops layer's plan form (plan_chunk: cfg with scale, output_final_state, chunk_size) gives the same
+    bits as run()."""
+    from types import SimpleNamespace
+    lp = _lp()
+    q, k, v, h0 = _inputs(2, 300, 8, h0=torch.float32, seed=4)
+    g = lightning_g_gamma(8, 0, 24, device=DEV)
+    cfg = SimpleNamespace(scale=0.07, output_final_state=True, chunk_size=64)
+    r, fwd = lp.plan_chunk(q, k, v, g, h0, None, cfg)
+    assert r is None
+    o, ht = fwd(q, k, v, g, h0, None, cfg, None)
+    o2, ht2 = lp.run(q, k, v, g, 0.07, h0, True, None)
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)
