@@ -301,7 +301,7 @@ def registry() -> list[Bench]:
               flags="state pool + ssm_state_indices (T>1: [N,T] + num_accepted_tokens), inplace, out=, "
                     "state_v_first, l2norm, gate in kernel, beta sigmoid"),
         Bench("chunk_lightning_attn prefill", "chunk_lightning_attn", ("eager", "graph"), light_prefill,
-              [_S(1, 4096, 64)], lambda s, d, g: lightning_inputs(s, d, g), call_chunk_lightning, io_bytes,
+              [_S(2, 8192, 64)], lambda s, d, g: lightning_inputs(s, d, g), call_chunk_lightning, io_bytes,
               chunk_lightning_flops, flags="layer 3 of 24, h0, ht"),
         Bench("chunk_lightning_attn train", "chunk_lightning_attn", ("fwdbwd",), light_train, [],
               lambda s, d, g: lightning_inputs(s, d, g), call_chunk_lightning, io_bytes, chunk_lightning_flops,
