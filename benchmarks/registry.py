@@ -245,7 +245,7 @@ DECODE_VARLEN = tuple([1] * 24 + [4] * 8)
 
 
 def schedule_inputs(s: Shape, device, grad: bool) -> dict:
-    _, cu = _lens_cu(s, device)
+    cu, _ = _lens_cu(s, device)  # the device tensor: what a training step or a serving engine holds
     return {"cu_seqlens": cu, "T": s.tokens}
 
 

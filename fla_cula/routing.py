@@ -274,6 +274,10 @@ def _decide(spec, plan_args: tuple, tensors: tuple) -> tuple:
     return None, post, (plan, registry.KERNELS[name].route)
 
 
+_OPS: dict | None = None  # fla_cula.kernels.registry.OPS, bound on the first route() (registry imports routing)
+_FORWARD_ONLY = "forward_only"  # registry.FORWARD_ONLY
+
+
 def route(op: str, plan_args: tuple, tensors: tuple, key_args=None, validate: Callable[[], None] | None = None):
     """The plan that runs this call on fla_cula, or None after recording why it goes to FLA.
 
@@ -290,20 +294,22 @@ def route(op: str, plan_args: tuple, tensors: tuple, key_args=None, validate: Ca
     The memo key is signature(key_args), or size_free_signature() for ops with runtime dims. Read
     on every call, in this order: FLA_CULA, the memoized device/import reason, the grad policy,
     the memoized kernel checks, the per-call size checks (size-free ops)."""
+    global _OPS
     if not enabled():
         if validate is not None:
             validate()
         record_fallback(op, "FLA_CULA=0")
         return None
-    from fla_cula.kernels.registry import FORWARD_ONLY, OPS
-
-    spec = OPS[op]
+    if _OPS is None:
+        from fla_cula.kernels.registry import OPS
+        _OPS = OPS
+    spec = _OPS[op]
     ka = plan_args if key_args is None else key_args
     sized = spec.runtime_dims is not None
-    stand = spec.kernel is None and stand_in()
+    cache = _memo[op]
     try:
-        key = (stand, size_free_signature(ka, spec.runtime_dims)) if sized else signature(ka)
-        cache = _memo[op]
+        key = (spec.kernel is None and stand_in(), size_free_signature(ka, spec.runtime_dims)) if sized \
+            else signature(ka)
         ent = cache.get(key)
     except TypeError:  # an unhashable argument: decide without memo (its check names it)
         key = ent = None
@@ -316,13 +322,12 @@ def route(op: str, plan_args: tuple, tensors: tuple, key_args=None, validate: Ca
                 cache.clear()
             cache[key] = ent
     pre, post, chosen = ent
-    reason = pre or (grad_reason(tensors) if spec.grad == FORWARD_ONLY else None) or post
+    reason = pre or (grad_reason(tensors) if spec.grad == _FORWARD_ONLY else None) or post
     if reason is None and sized:
         check = getattr(chosen[0], "size_reason", None)  # a plan's own per-call size checks
         reason = size_reason(tensors) or (check(*plan_args) if check is not None else None)
     if reason is None:
-        plan, label = chosen
-        record_kernel(op, label)
-        return plan
+        record_kernel(op, chosen[1])
+        return chosen[0]
     record_fallback(op, reason)
     return None

@@ -1,7 +1,7 @@
 #include "common/dlpack_tensor.h"
 
 #include <cstring>
-#include <sstream>
+#include <string>
 
 namespace fla_cula {
 namespace {
@@ -9,12 +9,11 @@ namespace {
 PyObject* g_tensor_type = nullptr;         // torch.Tensor (strong reference, kept for the process)
 const DLPackExchangeAPI* g_api = nullptr;  // owned by torch, lives as long as the type
 
+// "(a, b)", "(a,)", "()"; plain string appends (no iostreams: see expect_shape).
 std::string join(int64_t const* v, int n) {
-  std::ostringstream s;
-  s << "(";
-  for (int i = 0; i < n; ++i) s << (i ? ", " : "") << v[i];
-  s << (n == 1 ? ",)" : ")");
-  return s.str();
+  std::string s = "(";
+  for (int i = 0; i < n; ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + (n == 1 ? ",)" : ")");
 }
 
 std::string py_type_name(py::handle obj) { return py::str(py::type::handle_of(obj).attr("__name__")); }
@@ -205,20 +204,17 @@ void expect_shape(TensorArg const& t, std::initializer_list<int64_t> shape, cons
     ++d;
   }
   if (ok) return;
+  // Messages are built by string appends, not std::ostringstream: on the H200 image (torch 2.11) the
+  // error paths that formatted shapes through iostreams crashed the process (6 tests of
+  // test_abi_errors_name_expected_and_actual, 2026-12-03) while those using std::to_string did not.
   std::string expected;
   if (what != nullptr) {
     expected = what;
   } else {
-    std::ostringstream s;
-    s << "(";
+    expected = "(";
     int i = 0;
-    for (int64_t v : shape) {
-      s << (i ? ", " : "");
-      if (v < 0) s << "*"; else s << v;
-      ++i;
-    }
-    s << (shape.size() == 1 ? ",)" : ")");
-    expected = s.str();
+    for (int64_t v : shape) expected += (i++ ? ", " : "") + (v < 0 ? std::string("*") : std::to_string(v));
+    expected += shape.size() == 1 ? ",)" : ")";
   }
   throw py::value_error(std::string(t.name) + ": expected shape " + expected + ", got " + t.shape_str());
 }

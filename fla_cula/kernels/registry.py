@@ -77,8 +77,11 @@ OPS: dict[str, OpSpec] = {s.op: s for s in (
     OpSpec("fused_recurrent_lightning_attn", "lightning_decode", FORWARD_ONLY),
     OpSpec("fused_recurrent_simple_gla", "lightning_decode", FORWARD_ONLY),
     OpSpec("chunk_kda", None, FLA_BACKWARD, "stand_in_chunk_kda", _KDA_CHUNK_DIMS),
-    OpSpec("chunk_lightning_attn", "lightning_prefill", FLA_BACKWARD, "stand_in_chunk_lightning_attn",
-           _LIGHTNING_CHUNK_DIMS),
+    # chunk_lightning_attn: the lightning_prefill kernel (v1) is not routed yet: it ran on the H200 once
+    # (0.549 ms vs FLA's 0.829 at B=2 T=8192 H=64) but its tail/final-state cases were compared against
+    # FLA's NaN final state and never reached the fp64 check (docs/lightning_prefill.md); it is routed
+    # ("lightning_prefill" here) once tests/gpu/test_lightning_prefill.py passes on the H200.
+    OpSpec("chunk_lightning_attn", None, FLA_BACKWARD, "stand_in_chunk_lightning_attn", _LIGHTNING_CHUNK_DIMS),
 )}
 
 _lock = threading.Lock()

@@ -10,6 +10,8 @@ g_gamma is lightning's, layer_idx 0 of 24 (g from 0 down to -7.9 for H=64) unles
     python -m pytest -q tests/gpu/test_lightning_prefill.py
 """
 
+import math
+
 import pytest
 import torch
 
@@ -85,8 +87,11 @@ def _check(q, k, v, h0, output_final_state, cu=None, layer_idx=0, num_layers=24,
                                                  cu_seqlens=cu.long() if cu is not None else None)
         f_o, f_s = rel_rms(ro, fo), rel_rms(rs, fs)
         errs.update(fla_o=f_o, fla_ht=f_s)
-        assert e_o <= VS_FLA * f_o + SLACK, errs
-        if output_final_state:
+        # FLA 0.6.0's chunk_lightning_attn returns a NaN final state for some lengths (parity lists it as
+        # an FLA defect): then FLA is no baseline and the fp64 bar below decides alone (as parity/rules.py)
+        if math.isfinite(f_o):
+            assert e_o <= VS_FLA * f_o + SLACK, errs
+        if output_final_state and math.isfinite(f_s):
             assert e_s <= VS_FLA * f_s + SLACK, errs
     print(f"\n{tuple(q.shape)} {q.dtype} h0={None if h0 is None else h0.dtype} varlen={cu is not None} "
           + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))   # shown with -s (and on failure)

@@ -235,10 +235,14 @@ def test_kda_layer_compiles_forward_and_backward():
     assert fla_cula.status()["chunk_kda"]["stand_in"] >= 1
 
 
-def test_thousand_lengths_one_decision_one_compile():
+def test_thousand_lengths_one_decision_one_compile(monkeypatch):
     """Prefill lengths change every call: 1,000 lengths are one memo entry and at most one compile
     (batch and length are runtime values in the kernel and in the routing key)."""
     from fla_cula import jit
+    from fla_cula.kernels import registry
+    monkeypatch.setitem(registry.OPS, "chunk_lightning_attn",  # the kernel, routed for this test (see registry)
+                        registry.OpSpec("chunk_lightning_attn", "lightning_prefill", registry.FLA_BACKWARD, None,
+                                        registry.OPS["chunk_lightning_attn"].runtime_dims))
     routing.clear_plans()
     before = jit.stats["compiled"] + jit.stats["disk_hits"]
     with torch.no_grad():
