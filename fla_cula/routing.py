@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from fla_cula.kernels import registry
+
 logger = logging.getLogger("fla_cula")
 
 KERNEL = "kernel"
@@ -95,7 +97,6 @@ def status() -> dict[str, dict[str, Any]]:
     """Per op: ``{"kernel": n, "fallback": {reason: n}, "calls": n}``, plus ``"stand_in": n`` for
     chunk-op calls that ran FLA's forward inside fla_cula's autograd Function, and ``"grad"``: the op's
     grad policy (``fla_cula.kernels.registry``) for ops fla_cula serves."""
-    from fla_cula.kernels.registry import GRAD_POLICY_TEXT, OPS
     out: dict[str, dict[str, Any]] = {}
     with _lock:
         for op, routes in sorted(_counts.items()):
@@ -104,8 +105,8 @@ def status() -> dict[str, dict[str, Any]]:
             out[op] = {"kernel": kern, "fallback": fb, "calls": kern + si + sum(fb.values())}
             if si:
                 out[op]["stand_in"] = si
-            if op in OPS:
-                out[op]["grad"] = GRAD_POLICY_TEXT[OPS[op].grad]
+            if op in registry.OPS:
+                out[op]["grad"] = registry.GRAD_POLICY_TEXT[registry.OPS[op].grad]
     return out
 
 
@@ -257,8 +258,6 @@ def size_reason(tensors) -> str | None:
 
 def _decide(spec, plan_args: tuple, tensors: tuple) -> tuple:
     """(reason before the grad check, reason after it, (plan, route label)) for one signature."""
-    from fla_cula.kernels import registry
-
     pre = device_reason(*tensors)
     if pre:
         return pre, None, None
@@ -274,8 +273,6 @@ def _decide(spec, plan_args: tuple, tensors: tuple) -> tuple:
     return None, post, (plan, registry.KERNELS[name].route)
 
 
-_OPS: dict | None = None  # fla_cula.kernels.registry.OPS, bound on the first route() (registry imports routing)
-_FORWARD_ONLY = "forward_only"  # registry.FORWARD_ONLY
 
 
 def route(op: str, plan_args: tuple, tensors: tuple, key_args=None, validate: Callable[[], None] | None = None):
@@ -294,16 +291,12 @@ def route(op: str, plan_args: tuple, tensors: tuple, key_args=None, validate: Ca
     The memo key is signature(key_args), or size_free_signature() for ops with runtime dims. Read
     on every call, in this order: FLA_CULA, the memoized device/import reason, the grad policy,
     the memoized kernel checks, the per-call size checks (size-free ops)."""
-    global _OPS
     if not enabled():
         if validate is not None:
             validate()
         record_fallback(op, "FLA_CULA=0")
         return None
-    if _OPS is None:
-        from fla_cula.kernels.registry import OPS
-        _OPS = OPS
-    spec = _OPS[op]
+    spec = registry.OPS[op]
     ka = plan_args if key_args is None else key_args
     sized = spec.runtime_dims is not None
     cache = _memo[op]
@@ -322,7 +315,7 @@ def route(op: str, plan_args: tuple, tensors: tuple, key_args=None, validate: Ca
                 cache.clear()
             cache[key] = ent
     pre, post, chosen = ent
-    reason = pre or (grad_reason(tensors) if spec.grad == _FORWARD_ONLY else None) or post
+    reason = pre or (grad_reason(tensors) if spec.grad == registry.FORWARD_ONLY else None) or post
     if reason is None and sized:
         check = getattr(chosen[0], "size_reason", None)  # a plan's own per-call size checks
         reason = size_reason(tensors) or (check(*plan_args) if check is not None else None)
