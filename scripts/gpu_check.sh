@@ -26,7 +26,7 @@ export FLA_CULA_COMMIT="${FLA_CULA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/n
 
 T_BUILD="${T_BUILD:-90}"; T_INFO="${T_INFO:-60}"; T_PYTEST="${T_PYTEST:-280}"; T_DEMO="${T_DEMO:-190}"
 T_PARITY="${T_PARITY:-300}"; T_BENCH="${T_BENCH:-300}"
-STEPS=" ${STEPS:-build info pytest demo parity bench} "
+STEPS=" ${STEPS:-build info pytest demo parity bench} "   # also: training, flatests (not in the default)
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 
 declare -a NAMES STATUSES SECS
@@ -79,6 +79,14 @@ want info && step info "$T_INFO" python -m fla_cula info
 # -v: a line per finished test, so a run cut by its time limit still shows what passed and failed
 want pytest && step pytest "$T_PYTEST" python -m pytest tests/gpu tests/test_extension.py -v -rfEs -p no:cacheprovider \
   $XDIST --durations=15 --junitxml="$OUTDIR/junit_gpu.xml" ${PYTEST_ARGS:-}
+# the chunk ops' training path alone (FLA's backward autotunes per new shape: its own time limit)
+want training && step training "${T_TRAINING:-400}" python -m pytest tests/gpu/test_training_path.py -v -rfEs \
+  -p no:cacheprovider $XDIST --durations=10
+# FLA's own test files through the plugin, in one process (route summary at the end); they live in a
+# git-ignored .flatests/tests/ (docs/measuring.md); SIGINT at the limit so pytest still prints its report
+want flatests && step flatests "${T_FLATESTS:-300}" env FLA_CULA_STAND_IN=1 timeout -s INT $(( ${T_FLATESTS:-300} - 20 )) \
+  python -m pytest -p fla_cula.testing.plugin -p no:cacheprovider -v -rfE .flatests/tests/ops/test_lightning_attn.py \
+  .flatests/tests/ops/test_kda.py -k "chunk and not cp and not flash and not naive"
 want demo && step demo "$T_DEMO" python -m fla_cula demo
 # parity stops starting cases 25 s before its limit and reports what it did not run (exit 3)
 want parity && step parity "$T_PARITY" env TRITON_CACHE_DIR="$PARITY_TRITON_CACHE" python -m parity \
