@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from benchmarks.peers import disable_fla_flash_kda
+    from benchmarks.peers import run_header
 
     if not torch.cuda.is_available():
         print("benchmarks: no CUDA device; nothing to time (use --list to see the grid).", file=sys.stderr)
@@ -75,16 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import report
     from benchmarks.harness import copy_same_mode_ms, measure_ceilings, time_impl
     from benchmarks.registry import roofline_ms
-    from parity.machine import machine_header
     from parity.runner import cula_functions, fla_functions
 
-    flash_off = disable_fla_flash_kda()  # FLA rows = FLA's Triton kernels (read at call time: see peers.py)
+    header = run_header("python -m benchmarks", argv)  # FLA rows = FLA's Triton kernels (see peers.py)
     fns = {"fla": fla_functions(), "fla_cula": cula_functions()}
     device = torch.device("cuda", torch.cuda.current_device())
-    header = machine_header()
     header["grid"] = "quick" if args.quick else "full"
-    header["FLA_FLASH_KDA"] = f"0 (FLA's FlashKDA backend disabled: {flash_off})"
-    header["command"] = "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:])
     t_start = time.perf_counter()
     print(f"benchmarks: {len(plan)} shapes on {header['gpu']}; measuring ceilings", flush=True)
     ceilings = measure_ceilings()

@@ -180,33 +180,15 @@ def time_impl(bench, shape, mode: str, impl: str, fn, x: dict) -> dict:
         with ctx:
             if mode == "fwdbwd":
                 step, leaves = _backward_fn(bench.call, fn, x, bench.grad_inputs)
-                step()  # warm-up (autotune)
-                if impl == "fla_cula":
-                    rec["route"] = route_of(bench.op)
-                torch.cuda.synchronize()
-                rec["ms"] = _do_bench(step, grad_to_none=leaves)
-                rec["peak_bytes"] = peak_bytes(step)
+                call, grad_to_none = step, leaves
             else:
                 def call():
                     return bench.call(fn, x)
-
-                call()  # warm-up (compile / autotune)
-                if impl == "fla_cula":
-                    rec["route"] = route_of(bench.op)
-                torch.cuda.synchronize()
-                if mode == "eager":
-                    rec["ms"] = _eager_ms(call)
-                    rec["peak_bytes"] = peak_bytes(call)
-                else:
-                    try:
-                        g = capture_graph(call)
-                    except Exception as e:  # noqa: BLE001 - recorded
-                        rec["error"] = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
-                        with contextlib.suppress(Exception):
-                            torch.cuda.synchronize()
-                    else:
-                        rec["ms"] = _do_bench(g.replay) if mode == "graph" else _replay_warm_ms(g)
-                        del g
+                grad_to_none = None
+            call()  # warm-up (compile / autotune)
+            if impl == "fla_cula":
+                rec["route"] = route_of(bench.op)
+            rec.update(time_call(call, mode, grad_to_none=grad_to_none, warm=False))
     except Exception as e:  # noqa: BLE001 - recorded per row
         rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     rec["wall_s"] = round(time.perf_counter() - t0, 2)

@@ -453,15 +453,11 @@ def main(argv: list[str] | None = None) -> int:
         print("benchmarks model: no CUDA device; nothing to time (use --list).", file=sys.stderr)
         return 2
     from benchmarks import report
-    from benchmarks.peers import disable_fla_flash_kda, output_paths
+    from benchmarks.peers import output_paths, run_header
     from fla_cula import routing
-    from parity.machine import machine_header
 
-    flash_off = disable_fla_flash_kda()
     device = torch.device("cuda", torch.cuda.current_device())
-    header = machine_header()
-    header["FLA_FLASH_KDA"] = f"0 (FLA's FlashKDA backend disabled: {flash_off})"
-    header["command"] = "python -m benchmarks model " + " ".join(argv if argv is not None else sys.argv[1:])
+    header = run_header("python -m benchmarks model", argv)
     md, js = output_paths(a.out, a.tag)
     t_start = time.perf_counter()
     models: dict[int, tuple] = {}

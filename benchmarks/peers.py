@@ -38,6 +38,7 @@ import contextlib
 import importlib
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -88,6 +89,18 @@ def disable_fla_flash_kda() -> bool:
     except Exception:  # noqa: BLE001 - an FLA without the backend: nothing to disable
         return True
     return not FlashKDABackend().is_enabled()
+
+
+def run_header(command: str, argv: list[str] | None) -> dict:
+    """The machine header every benchmark command writes, after turning FLA's FlashKDA backend off
+    (so FLA rows are FLA's Triton kernels); `command` is the subcommand as typed."""
+    from parity.machine import machine_header
+
+    flash_off = disable_fla_flash_kda()
+    header = machine_header()
+    header["FLA_FLASH_KDA"] = f"0 (FLA's FlashKDA backend disabled: {flash_off})"
+    header["command"] = f"{command} " + " ".join(argv if argv is not None else sys.argv[1:])
+    return header
 
 
 # ---------------------------------------------------------------------------------------------
@@ -527,7 +540,6 @@ def output_paths(out: str | None, tag: str) -> tuple[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    import sys
 
     p = argparse.ArgumentParser(prog="python -m benchmarks prefill", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -555,21 +567,16 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("benchmarks prefill: no CUDA device; nothing to time (use --list to see the grid).", file=sys.stderr)
         return 2
-    flash_off = disable_fla_flash_kda()
-
     from benchmarks import report
     from benchmarks.harness import measure_ceilings
-    from parity.machine import machine_header
 
     device = torch.device("cuda", torch.cuda.current_device())
-    header = machine_header()
+    header = run_header("python -m benchmarks prefill", argv)
     header.update(versions())
-    header["FLA_FLASH_KDA"] = f"0 (FLA's FlashKDA backend disabled: {flash_off})"
-    header["command"] = "python -m benchmarks prefill " + " ".join(argv if argv is not None else sys.argv[1:])
     md, js = output_paths(a.out, a.tag)
     t_start = time.perf_counter()
     print(f"benchmarks prefill: {len(rows)} rows x {len(impls)} impls on {header['gpu']}; "
-          f"peers {versions()}; FLA's FlashKDA backend off: {flash_off}", flush=True)
+          f"peers {versions()}; {header['FLA_FLASH_KDA']}", flush=True)
     ceilings = measure_ceilings()
     meta = {BENCH_PREFILL: {"op": "chunk_kda", "flags": FLAGS}, BENCH_TRAIN: {"op": "chunk_kda", "flags": FLAGS}}
     done: list[dict] = []

@@ -110,13 +110,17 @@ _RES_FUNCTION = re.compile(r"^\s*Function (\S+):\s*$")
 _RES_FIELD = re.compile(r"([A-Z]+(?:\[\d+\])?):(\d+)")
 
 
-def resource_usage(path: str, tool: str | None = None) -> list[dict]:
-    """Per kernel in the binary at `path`: symbol, arch, registers, stack, local (bytes; non-zero
-    means spills or local arrays), shared (static bytes) from ``cuobjdump -res-usage``."""
+def _cuobjdump_text(flag: str, path: str, tool: str | None) -> str:
     tool = tool or cuobjdump()
     if tool is None:
         raise RuntimeError("cuobjdump not found (neither in triton's wheel nor on PATH)")
-    text = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    return subprocess.run([tool, flag, path], capture_output=True, text=True, check=True).stdout
+
+
+def resource_usage(path: str, tool: str | None = None) -> list[dict]:
+    """Per kernel in the binary at `path`: symbol, arch, registers, stack, local (bytes; non-zero
+    means spills or local arrays), shared (static bytes) from ``cuobjdump -res-usage``."""
+    text = _cuobjdump_text("-res-usage", path, tool)
     rows, arch, symbol = [], None, None
     for line in text.splitlines():
         m = re.match(r"\s*arch = (\S+)", line)
@@ -150,10 +154,7 @@ _SASS_INSTR = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0
 
 def sass_opcodes(path: str, tool: str | None = None) -> dict[str, tuple[str, set[str]]]:
     """symbol -> (arch, set of SASS opcodes with modifiers, e.g. "HGMMA.64x128x16.F32.BF16")."""
-    tool = tool or cuobjdump()
-    if tool is None:
-        raise RuntimeError("cuobjdump not found (neither in triton's wheel nor on PATH)")
-    text = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    text = _cuobjdump_text("-sass", path, tool)
     out: dict[str, tuple[str, set[str]]] = {}
     arch, ops = None, None
     for line in text.splitlines():

@@ -275,7 +275,7 @@ def _decide(spec, plan_args: tuple, tensors: tuple) -> tuple:
 
 
 
-def route(op: str, plan_args: tuple, tensors: tuple, key_args=None, validate: Callable[[], None] | None = None):
+def route(op: str, plan_args: tuple, tensors: tuple, key_args=None, validate: Callable[..., None] | None = None):
     """The plan that runs this call on fla_cula, or None after recording why it goes to FLA.
 
     op:         a name in ``fla_cula.kernels.registry.OPS`` (its kernel, stand-in, grad policy, key form)
@@ -284,8 +284,8 @@ def route(op: str, plan_args: tuple, tensors: tuple, key_args=None, validate: Ca
     tensors:    the call's tensors (device checks; requires_grad for forward-only ops); the first is
                 the one whose device the kernel runs on
     key_args:   what the memo key is read from (default plan_args)
-    validate:   raises for arguments that no implementation may run (ours or FLA's: out-of-bounds
-                memory); run once per signature before it is memoized, so a failing call raises
+    validate:   validate(*plan_args) raises for arguments that no implementation may run (ours or
+                FLA's: out-of-bounds memory); run once per signature before it is memoized, so a failing call raises
                 every time and a passing one costs nothing on later calls
 
     The memo key is signature(key_args), or size_free_signature() for ops with runtime dims. Read
@@ -293,7 +293,7 @@ def route(op: str, plan_args: tuple, tensors: tuple, key_args=None, validate: Ca
     the memoized kernel checks, the per-call size checks (size-free ops)."""
     if not enabled():
         if validate is not None:
-            validate()
+            validate(*plan_args)
         record_fallback(op, "FLA_CULA=0")
         return None
     spec = registry.OPS[op]
@@ -308,7 +308,7 @@ def route(op: str, plan_args: tuple, tensors: tuple, key_args=None, validate: Ca
         key = ent = None
     if ent is None:
         if validate is not None:
-            validate()
+            validate(*plan_args)
         ent = _decide(spec, plan_args, tensors)
         if key is not None:
             if len(cache) >= MAX_PLANS:

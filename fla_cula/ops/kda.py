@@ -246,7 +246,7 @@ def _route_decode(op: str, kargs: tuple):
     which FLA's kernel or ours would address memory outside a tensor raise ValueError first
     (fla_cula.ops.bounds), whichever way the call then goes."""
     go = routing.route(op, kargs, kargs[:5] + (kargs[7], kargs[20]),
-                       validate=lambda: check_recurrent_kda_bounds(*kargs))
+                       validate=check_recurrent_kda_bounds)
     return None if go is None else go(kargs)
 
 
