@@ -33,7 +33,8 @@ CFGS = lp.representative_configs()
 
 def _id(c):
     return (f"{c.dtype}-K{c.K}-h0{c.h0_dtype if c.has_h0 else 'none'}-ht{int(c.has_ht)}"
-            f"-varlen{c.cu_dtype if c.varlen else 0}-kv{c.kv_stages}-bv{c.bv}-{c.mma}")
+            f"-varlen{c.cu_dtype if c.varlen else 0}-kv{c.kv_stages}-bv{c.bv}-{c.mma}"
+            + ("" if c.has_o else "-stateonly") + ("-seg" if c.seg else ""))
 
 
 def _cuobjdump():
@@ -64,6 +65,23 @@ def compiled():
 def test_registered():
     names = [s.name for s in jit.registered_specs()]
     assert names.count("lightning_prefill") == len(CFGS)
+    assert names.count("lightning_prefill_combine") == len(lp.combine_configs())
+
+
+@pytest.mark.parametrize("ccfg", lp.combine_configs(), ids=lambda c: "-".join(f"{k}={v}" for k, v in c.key()))
+def test_combine_compiles(ccfg):
+    """The split's combine kernel: 16-byte fp32 loads and stores, registers only (printed with -s)."""
+    spec = lp.LightningCombine(ccfg).spec()
+    with tempfile.TemporaryDirectory() as d:
+        fn = jit.compile_spec(spec, keep_ptx_dir=d)
+        assert jit.missing_ptx(spec, fn.__ptx__) == []
+        assert "ld.local" not in fn.__ptx__ and "st.local" not in fn.__ptx__
+        exe = _cuobjdump()
+        cubins = [p for p in glob.glob(d + "/**/*", recursive=True) if p.endswith(".cubin")]
+        if exe and cubins:
+            res = subprocess.run([exe, "-res-usage", cubins[0]], capture_output=True, text=True, check=True).stdout
+            regs = re.search(r"REG:(\d+)", res).group(1)
+            print(f"\ncombine {ccfg}: registers {regs}")
 
 
 @pytest.mark.parametrize("cfg", CFGS, ids=[_id(c) for c in CFGS])
@@ -95,7 +113,7 @@ def test_sass_registers_no_spills(cfg, compiled):
     # per chunk: QK^T (C x C x K), Q S0 (C x BV x K), P V (C x BV x C), K^T Vd (K x BV x C): m16n8k16 per
     # warp (mma.sync) or m64n64k16 per warpgroup (wgmma); the kernel has one chunk body
     C, BV, K = cfg.chunk, cfg.bv, cfg.K
-    macs = C * C * K + C * BV * K + C * BV * C + K * BV * C
+    macs = C * C * K + C * BV * K + C * BV * C + K * BV * C if cfg.has_o else K * BV * C   # state pass: K^T Vd
     if cfg.mma == "wgmma":
         mma, per_chunk = len(re.findall(r"\bHGMMA\.64x64x16\.F32", sass)), macs // (64 * 64 * 16)
     else:
@@ -110,7 +128,7 @@ def test_config_key_has_no_sizes():
     for size in ("B", "T", "N", "H"):
         assert size not in keys
     assert set(keys) == {"dtype", "K", "V", "bv", "chunk", "has_h0", "h0_dtype", "has_ht", "varlen", "cu_dtype",
-                         "kv_stages", "mma"}
+                         "kv_stages", "mma", "has_o", "seg"}
     with pytest.raises(ValueError, match="bv=16"):
         lp.LightningPrefillConfig(bv=16)
     with pytest.raises(ValueError, match="bv=32 chunk=64 mma=wgmma"):
@@ -266,3 +284,218 @@ def test_plan_chunk_adapter(monkeypatch):
     assert seen[-1] == lp.LightningPrefillConfig(has_ht=False, varlen=True)
     r, fwd = lp.plan_chunk(a["q"], a["k"], a["v"], torch.empty(3, device="meta"), None, None, cfg)
     assert fwd is None and "g_gamma shape" in r
+
+
+# ---------------------------------------------------------------------------------------------
+# the sequence split (lightning_prefill._run_split): pass 1 local states, the combine, pass 2, in the torch model
+def _split_model(q, k, v, g_gamma, scale, h0, nseg, seg_len):
+    """The split forward as the three kernels compute it (one sequence, [T, H, D] inputs): pass 1 = the chunk
+    model on each segment from zero (its state; has_o=False runs the same state update), the combine in fp32
+    as LightningCombine (S = h0; per segment: S_in = S, S = exp(g L) S + S_loc, exp of the fp32 product),
+    pass 2 = the chunk model on each segment from S_in. Segment p = tokens [p seg_len, (p + 1) seg_len)."""
+    T, H, _ = q.shape
+    bounds = [(min(p * seg_len, T), min((p + 1) * seg_len, T)) for p in range(nseg)]
+    locs = [_chunk_model(q[a:b], k[a:b], v[a:b], g_gamma, scale, None)[1] if b > a
+            else torch.zeros(H, q.shape[2], v.shape[2]) for a, b in bounds]
+    S = torch.zeros(H, q.shape[2], v.shape[2]) if h0 is None else h0.float().clone()
+    s_in = []
+    for (a, b), x in zip(bounds, locs, strict=True):
+        s_in.append(S)
+        f = torch.exp(g_gamma.float() * torch.tensor(float(b - a))) if b > a else torch.ones(H)
+        S = S * f[:, None, None] + x
+    o = torch.cat([_chunk_model(q[a:b], k[a:b], v[a:b], g_gamma, scale, s)[0]
+                   for (a, b), s in zip(bounds, s_in, strict=True) if b > a])
+    return o, S
+
+
+SPLIT_CASES = [(torch.bfloat16, 3000, 8), (torch.bfloat16, 1000, 4), (torch.bfloat16, 65, 2), (torch.float16, 3000, 4),
+               (torch.float32, 3000, 8), (torch.float32, 700, 2)]
+
+
+@pytest.mark.parametrize("dtype,T,P", SPLIT_CASES, ids=[f"{str(d)[6:]}-T{T}-P{P}" for d, T, P in SPLIT_CASES])
+def test_split_numerics(dtype, T, P):
+    """The split (forced P, segments as the host wrapper chooses them) against the fp64 recurrence (the 0.005 bar)
+    and against the unsplit chunk model: the final state agrees to fp32 rounding; o agrees to a few flips of the
+    S0 operand's rounding (bf16/fp16: S_in differs from the unsplit state in the last fp32 bits, and a rare element
+    rounds the other way); with fp32 operands (no rounding points) both agree to fp32 rounding: the combine is
+    exact algebra. Errors printed with -s (docs/lightning_prefill.md, the numerics table)."""
+    torch.manual_seed(T + P)
+    H, K = 4, 128
+    # 0, -0.0052 (layer 23 of 24: the state carries across segments), -0.125, -7.875
+    g = torch.cat([lightning_g_gamma(64, 23, 24)[[0, 1]], lightning_g_gamma(64, 0, 24)[[1, 63]]])
+    q, k, v = (torch.randn(T, H, K).to(dtype) for _ in range(3))
+    h0 = torch.randn(H, K, K)
+    nseg, seg_len = lp._split_for(P, False, T, 1, H, K, K, 64)
+    o, S = _split_model(q, k, v, g, K ** -0.5, h0, nseg, seg_len)
+    uo, uS = _chunk_model(q, k, v, g, K ** -0.5, h0)
+    ro, rS = simple_gla_recurrent(q[None].double(), k[None].double(), v[None].double(), g, scale=K ** -0.5,
+                                  initial_state=h0[None])
+    rows = []
+    for hh in range(H):
+        eo, es = rel_rms(ro[0, :, hh], o[:, hh]), rel_rms(rS[0, hh], S[hh])
+        uo_, us_ = rel_rms(uo[:, hh], o[:, hh]), rel_rms(uS[hh], S[hh])
+        rows.append(f"g={float(g[hh]):+.3f} o {eo:.1e} ht {es:.1e} | vs unsplit o {uo_:.1e} ht {us_:.1e}")
+        assert eo < 0.005 and es < 0.005, rows[-1]
+        assert us_ < 1e-5, rows[-1]
+        assert uo_ < (1e-5 if dtype == torch.float32 else 2e-4), rows[-1]
+    print(f"\n{str(dtype)[6:]} T={T} P={P} (nseg {nseg}, seg_len {seg_len}):\n  " + "\n  ".join(rows))
+
+
+def test_split_segments_heuristic():
+    """The heuristic's decisions at the issue's shapes (K = V = 128, bv 64: 2 CTAs per sequence-head, 2 per SM)."""
+    def p_of(B, T, H):
+        return lp.split_segments(2 * H, B, -(-T // 64), H * 128 * 128 * 4, 2)[0]
+    assert p_of(2, 8192, 64) == 1 and p_of(8, 4096, 64) == 1 and p_of(16, 2048, 64) == 1   # the grid fills
+    assert p_of(1, 16384, 64) == 1        # 128 CTAs: predicted not worth it (see the docs; force split= to measure)
+    assert p_of(1, 16384, 16) == 8 and p_of(1, 8192, 8) == 8 and p_of(1, 16384, 32) == 4
+    assert p_of(1, 1024, 8) == 1          # segments would be shorter than 8 chunks
+    for B, T, H in ((1, 16384, 16), (1, 8192, 8), (1, 2048, 8), (4, 8192, 8)):
+        P, ls = lp.split_segments(2 * H, B, -(-T // 64), H * 128 * 128 * 4, 2)
+        assert ls >= lp.SPLIT_MIN_CHUNKS and P * ls >= -(-T // 64) > (P - 1) * ls
+
+
+def test_split_for_knob_and_bounds():
+    f = lp._split_for
+    assert f(0, False, 16384, 1, 16, 128, 128, 64) is None and f(1, False, 16384, 1, 16, 128, 128, 64) is None
+    assert f(None, False, 8192, 2, 64, 128, 128, 64) is None                  # heuristic: fills the GPU
+    assert f(None, False, 16384, 1, 16, 128, 128, 64) == (8, 2048)
+    assert f(4, False, 1000, 3, 8, 128, 128, 64) == (4, 256)                   # last segment 232 tokens
+    assert f(4, False, 100, 1, 8, 128, 128, 64) == (2, 64)                    # 2 chunks: 2 segments (64 + 36)
+    assert f(8, False, 60, 1, 8, 128, 128, 64) is None                       # one chunk: nothing to split
+    assert f(4, True, 4000, 1, 8, 128, 128, 64) == (4, 1024)                  # varlen: plans for the mean length
+    assert f(4, True, 4000, 4, 8, 128, 128, 64) == (16, 256)                  # ... and bounds by the token count
+    assert f(None, True, 8192, 8, 8, 128, 128, 64) is None                    # varlen, N > SPLIT_VARLEN_MAX_N
+    assert f(None, True, 16384, 1, 16, 128, 128, 64) == (8, 2048)
+    assert f(2, False, 2 ** 20, 40000, 1, 128, 128, 64) is None               # grid z > 65535
+
+
+def test_split_tuning_knob(monkeypatch):
+    """set_tuning(split=...) reaches the plan; the split's three configs compile only on first use (stubbed)."""
+    seen = []
+    monkeypatch.setattr(lp.TUNING, "get", lambda name, cfg: seen.append(cfg) or (lambda *a: None))
+    with pytest.raises(ValueError, match="split="):
+        lp.set_tuning(split=-1)
+    try:
+        lp.set_tuning(split=4, mma="sync")
+        assert lp._SPLIT["split"] == 4
+        a = _args(B=1, T=4096)
+        r, go = lp.plan(*a.values())
+        assert r is None and seen[-1].mma == "wgmma"       # the stub records the config before knobs (default)
+    finally:
+        lp.set_tuning()
+    assert lp._SPLIT["split"] == lp.SPLIT_DEFAULT == 0      # off by default (see lightning_prefill.SPLIT_DEFAULT)
+    lp.set_tuning(split="auto")
+    assert lp._SPLIT["split"] is None                        # the heuristic
+    lp.set_tuning()
+    c = lp.LightningPrefillConfig(has_o=False, mma="wgmma", kv_stages=2)
+    assert c.mma == "sync"                                # the state pass always runs the mma.sync body
+    with pytest.raises(ValueError, match="has_o=False needs has_ht=True"):
+        lp.LightningPrefillConfig(has_o=False, has_ht=False)
+
+
+def _fake_kernels(monkeypatch):
+    """Stand-ins with the compiled kernels' calling conventions, computing with the torch chunk model, so the
+    split's host code (_split_for, _run_split: buffers, views, argument order, segment slots) runs on the CPU."""
+    def main(cfg):
+        def fn(q, k, v, g, h0, ht, o, cu, scale, seg_len=0, nseg=1):
+            N = k.shape[0] if cu is None else cu.numel() - 1
+            Tt = k.shape[1]
+            for z in range(N * nseg):
+                n, p = (z // nseg, z % nseg) if cfg.seg else (z, 0)
+                b, bos, Tn = n, 0, Tt
+                if cu is not None:
+                    s0 = max(min(int(cu[n]), Tt), 0)
+                    b, bos, Tn = 0, s0, max(min(int(cu[n + 1]), Tt), s0) - s0
+                if cfg.seg:
+                    s0 = min(p * seg_len, Tn)
+                    bos, Tn = bos + s0, min(seg_len, Tn - s0)
+                S0 = h0[z].float() if cfg.has_h0 else None
+                if Tn == 0:
+                    S = S0.clone() if S0 is not None else torch.zeros(k.shape[2], k.shape[3], v.shape[3])
+                else:
+                    sl = slice(bos, bos + Tn)
+                    oo, S = _chunk_model((q if cfg.has_o else k)[b, sl], k[b, sl], v[b, sl], g, scale, S0)
+                    if cfg.has_o:
+                        o[b, sl] = oo.to(o.dtype)
+                if cfg.has_ht:
+                    ht[z] = S
+        return fn
+
+    calls = []
+
+    def combine(X, g, h0, ht, cu, Tt, seg_len, nseg, nseq):
+        calls.append((tuple(X.shape), seg_len, nseg, nseq))
+        for n in range(nseq):
+            Tn = Tt if cu is None else max(min(int(cu[n + 1]), Tt), max(min(int(cu[n]), Tt), 0)) - \
+                max(min(int(cu[n]), Tt), 0)
+            S = h0[n].float().clone() if h0 is not None else torch.zeros_like(X[0])
+            for p in range(nseg):
+                z = n * nseg + p
+                L = min(seg_len, Tn - min(p * seg_len, Tn))
+                x = X[z].clone()
+                X[z] = S
+                f = torch.exp(g.float() * torch.tensor(float(L))) if L > 0 else torch.ones_like(g)
+                S = S * f[:, None] + x
+            if ht is not None:
+                ht[n] = S
+
+    monkeypatch.setattr(lp.TUNING, "get", lambda name, cfg: main(cfg))
+    monkeypatch.setattr(lp, "get_combine", lambda cfg: combine)
+    monkeypatch.setattr(lp, "launch", lambda fn, dev, *a: fn(*a))
+    return calls
+
+
+@pytest.mark.parametrize("case", ["fixed-h0-ht", "fixed-noh0-noht", "fixed-h0bf16-B2", "varlen-h0", "varlen-empty"])
+def test_split_host_path_cpu(case, monkeypatch):
+    """The split's host path end to end on the CPU with stand-in kernels (same arguments as the compiled ones):
+    forced split=3 against the unsplit path (same stand-ins) and against the fp64 recurrence."""
+    calls = _fake_kernels(monkeypatch)
+    torch.manual_seed(len(case))
+    H, K = 3, 64
+    g = torch.cat([lightning_g_gamma(64, 23, 24)[[0, 1]], lightning_g_gamma(64, 0, 24)[[8]]])
+    varlen = case.startswith("varlen")
+    lens = [700, 0, 300, 1] if case == "varlen-empty" else [900, 450]
+    B, T = (1, sum(lens)) if varlen else ((2, 650) if "B2" in case else (1, 1000))
+    q, k, v = (torch.randn(B, T, H, K).bfloat16() for _ in range(3))
+    N = len(lens) if varlen else B
+    h0 = None if "noh0" in case else torch.randn(N, H, K, K).to(torch.bfloat16 if "bf16" in case else torch.float32)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32) if varlen else None
+    ht_on = "noht" not in case
+    args = (q, k, v, g, K ** -0.5, h0, ht_on, cu)
+    try:
+        lp.set_tuning(split=3)
+        o, ht = lp.run(*args)
+        assert len(calls) == 1 and calls[0][0] == (N * calls[0][2], H, K * K)    # the split ran, X [N nseg, H, KV]
+        lp.set_tuning(split=0)
+        uo, uht = lp.run(*args)
+    finally:
+        lp.set_tuning()
+    assert lp._split_for(3, varlen, T, N, H, K, K, 64) is not None
+    ro, rs = simple_gla_recurrent(q.double(), k.double(), v.double(), g, scale=K ** -0.5, initial_state=h0,
+                                  cu_seqlens=cu)
+    assert rel_rms(ro, o) < 0.005 and rel_rms(uo.double(), o.double()) < 2e-4
+    if ht_on:
+        assert rel_rms(rs, ht) < 0.005 and rel_rms(uht, ht) < 1e-5
+        for n, L in enumerate(lens if varlen else []):
+            if L == 0:
+                assert torch.equal(ht[n], h0[n].float() if h0 is not None else torch.zeros_like(ht[n]))
+    else:
+        assert ht is None and uht is None
+
+
+def test_small_grid_reason():
+    """The routed op sends grids below MIN_CTAS CTAs to FLA unless the sequence split serves the call."""
+    def qv(B, T, H, D=128):
+        q = torch.empty(B, T, H, D, dtype=torch.bfloat16, device="meta")
+        return q, torch.empty_like(q)
+    q, v = qv(1, 8192, 8)
+    r = lp.small_grid_reason(q, v, None, 0, 64)
+    assert r is not None and "16 CTAs" in r and "< 128" in r
+    assert lp.small_grid_reason(q, v, None, None, 64) is None            # the heuristic splits it
+    assert lp.small_grid_reason(q, v, None, 8, 64) is None               # a forced split
+    assert lp.small_grid_reason(*qv(1, 16384, 64), None, 0, 64) is None  # 128 CTAs
+    assert lp.small_grid_reason(*qv(2, 8192, 64), None, 0, 64) is None
+    cu = torch.empty(5, dtype=torch.int32, device="meta")                # varlen: N = 4 sequences
+    q, v = qv(1, 4000, 16)
+    assert lp.small_grid_reason(q, v, cu, 0, 64) is None                 # 4 x 16 x 2 = 128
+    assert "64 CTAs" in lp.small_grid_reason(*qv(1, 4000, 16, D=64), cu, 0, 64)

@@ -29,13 +29,14 @@ def _lp():
     return lightning_prefill
 
 
-VARIANTS = {"sync-kv1": {}, "sync-kv2": {"kv_stages": 2}, "sync-bv32": {"bv": 32}, "wgmma": {"mma": "wgmma"}}
+VARIANTS = {"sync-kv1": {"mma": "sync"}, "sync-kv2": {"mma": "sync", "kv_stages": 2},
+            "sync-bv32": {"mma": "sync", "bv": 32}, "wgmma": {"mma": "wgmma"}}
 
 
 @pytest.fixture(params=list(VARIANTS))
 def variant(request):
     """Every kernel variant (LightningPrefillConfig knobs kv_stages / bv / mma) through the tuning knob; the
-    default (sync-kv1, v1) is also covered by the full matrices below without this fixture."""
+    default (wgmma) is also covered by the full matrices below without this fixture."""
     lp = _lp()
     lp.set_tuning(**VARIANTS[request.param])
     yield request.param
@@ -203,13 +204,17 @@ def test_one_compile_serves_every_size():
     compiled function, with no compile and no disk load."""
     from fla_cula import jit
     lp = _lp()
-    q, k, v, h0 = _inputs(1, 70, 8, h0=torch.float32, seed=1)
-    _check(q, k, v, h0, True)
-    n0 = (jit.stats["compiled"], jit.stats["disk_hits"], len(lp.compiled_configs()))
-    for B, T, H in ((2, 300, 16), (3, 5, 64), (1, 4097, 2)):
-        q, k, v, h0 = _inputs(B, T, H, h0=torch.float32, seed=B + T)
+    lp.set_tuning(split=0)   # the unsplit kernel (B=1 T=4097 H=2 would take the sequence split's kernels)
+    try:
+        q, k, v, h0 = _inputs(1, 70, 8, h0=torch.float32, seed=1)
         _check(q, k, v, h0, True)
-    assert (jit.stats["compiled"], jit.stats["disk_hits"], len(lp.compiled_configs())) == n0
+        n0 = (jit.stats["compiled"], jit.stats["disk_hits"], len(lp.compiled_configs()))
+        for B, T, H in ((2, 300, 16), (3, 5, 64), (1, 4097, 2)):
+            q, k, v, h0 = _inputs(B, T, H, h0=torch.float32, seed=B + T)
+            _check(q, k, v, h0, True)
+        assert (jit.stats["compiled"], jit.stats["disk_hits"], len(lp.compiled_configs())) == n0
+    finally:
+        lp.set_tuning()
 
 
 def test_non_default_stream_and_device_current():
@@ -239,3 +244,135 @@ def test_plan_chunk_form_matches_run():
     o, ht = fwd(q, k, v, g, h0, None, cfg, None)
     o2, ht2 = lp.run(q, k, v, g, 0.07, h0, True, None)
     assert torch.equal(o, o2) and torch.equal(ht, ht2)
+
+
+# ---------------------------------------------------------------------------------------------
+# the sequence split (lightning_prefill.set_tuning(split=P): pass 1 local states, combine, pass 2)
+def _split_vs_unsplit(q, k, v, h0, out_state, cu=None, P=4, knobs=None, fla_fns=None, layer_idx=0):
+    """The split run (forced P) passes _check's bars (fp64, FLA, NaN poison, inputs unchanged) and agrees with
+    the unsplit kernel: final state to fp32 rounding (1e-5 relative RMS), o to rare flips of the bf16 S0
+    operand (2e-4; the CPU model of tests/test_lightning_prefill_compile.py::test_split_numerics shows <= 7e-5)."""
+    lp = _lp()
+    H = q.shape[2]
+    nseg = lp._split_for(P, cu is not None, q.shape[1], q.shape[0] if cu is None else cu.numel() - 1, H,
+                         q.shape[3], v.shape[3], (knobs or {}).get("bv", 64))
+    lp.set_tuning(split=P, **(knobs or {}))
+    try:
+        errs, o, ht = _check(q, k, v, h0, out_state, cu=cu, fla_fns=fla_fns, layer_idx=layer_idx)
+    finally:
+        lp.set_tuning()
+    lp.set_tuning(split=0, **(knobs or {}))
+    try:
+        g = lightning_g_gamma(H, layer_idx, 24, device=DEV)
+        uo, uht = lp.run(q, k, v, g, q.shape[3] ** -0.5, h0, out_state, cu)
+    finally:
+        lp.set_tuning()
+    d_o = rel_rms(uo.double(), o.double())
+    d_s = rel_rms(uht, ht) if out_state else 0.0
+    print(f"  split {nseg}: vs unsplit o {d_o:.1e} ht {d_s:.1e}")
+    assert d_o <= 2e-4 and d_s <= 1e-5, (nseg, d_o, d_s, errs)
+    return nseg
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+@pytest.mark.parametrize("T", [40, 100, 1000, 3000, 4096])
+@pytest.mark.parametrize("B", [1, 2])
+def test_split_dense(B, T, P, fla_fns):
+    """Forced splits: T = 4096 (equal segments), 3000 / 1000 (a short last segment), 100 (2 chunks: fewer
+    segments than P), 40 (one chunk: not split, the unsplit path)."""
+    q, k, v, h0 = _inputs(B, T, 16, h0=torch.float32, seed=T + P + B)
+    nseg = _split_vs_unsplit(q, k, v, h0, True, P=P, fla_fns=fla_fns)
+    assert (nseg is None) == (T <= 64)
+
+
+@pytest.mark.parametrize("out_state", [True, False], ids=["ht", "noht"])
+@pytest.mark.parametrize("h0", [None, torch.float32, torch.bfloat16], ids=["noh0", "h0f32", "h0bf16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_split_flags(dtype, h0, out_state, fla_fns):
+    q, k, v, s = _inputs(1, 2500, 8, dtype=dtype, h0=h0, seed=31)
+    _split_vs_unsplit(q, k, v, s, out_state, P=4, fla_fns=fla_fns)
+
+
+@pytest.mark.parametrize("layer", [0, 23])
+def test_split_weak_decay_long(layer, fla_fns):
+    """Layer 23 of 24: weak decays, so the state (and h0) carries across every segment boundary."""
+    q, k, v, h0 = _inputs(1, 8192, 16, h0=torch.float32, seed=41 + layer)
+    _split_vs_unsplit(q, k, v, h0, True, P=8, fla_fns=fla_fns, layer_idx=layer)
+
+
+@pytest.mark.parametrize("knobs", [{"mma": "sync"}, {"mma": "sync", "kv_stages": 2}, {"mma": "sync", "bv": 32},
+                                   {"mma": "wgmma"}], ids=["sync", "kv2", "bv32", "wgmma"])
+def test_split_variants(knobs, fla_fns):
+    """Pass 2 on every kernel variant (pass 1 is always the mma.sync state pass); K = V = 64 too."""
+    q, k, v, h0 = _inputs(2, 1500, 8, h0=torch.float32, seed=51)
+    _split_vs_unsplit(q, k, v, h0, True, P=4, knobs=knobs, fla_fns=fla_fns)
+    if "bv" not in knobs:
+        q, k, v, h0 = _inputs(1, 1500, 8, D=64, h0=torch.float32, seed=52)
+        _split_vs_unsplit(q, k, v, h0, True, P=4, knobs=knobs, fla_fns=fla_fns)
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+@pytest.mark.parametrize("h0", [None, torch.float32], ids=["noh0", "h0"])
+@pytest.mark.parametrize("name", ["one_long", "skewed", "empty_first_mid_last", "chunk_edges"])
+def test_split_varlen(name, h0, P, fla_fns):
+    """Varlen splits: every sequence gets ceil(T_total / seg_len) segment slots (its lengths stay on the device),
+    the ones past its end are empty and pass the state on; empty sequences keep h0 (or 0) exactly."""
+    lens = LENS[name]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    q, k, v, s = _inputs(1, int(cu[-1]), 8, h0=h0, N=len(lens), seed=len(lens) + P)
+    _split_vs_unsplit(q, k, v, s, True, cu=cu, P=P, fla_fns=None if 0 in lens else fla_fns)
+    lp = _lp()
+    lp.set_tuning(split=P)
+    try:
+        _, ht = lp.run(q, k, v, lightning_g_gamma(8, 0, 24, device=DEV), 128 ** -0.5, s, True, cu)
+    finally:
+        lp.set_tuning()
+    for n, L in enumerate(lens):
+        if L == 0:
+            assert torch.equal(ht[n], s[n] if s is not None else torch.zeros_like(ht[n]))
+
+
+def test_split_heuristic_shapes(fla_fns):
+    """The heuristic (set_tuning(split="auto"); off by default) splits B=1 T=16384 H=16 (8 segments) and B=1
+    T=8192 H=8; results pass the bars."""
+    lp = _lp()
+    assert lp._split_for(None, False, 16384, 1, 16, 128, 128, 64) == (8, 2048)
+    assert lp._split_for(None, False, 8192, 1, 8, 128, 128, 64) is not None
+    lp.set_tuning(split="auto")
+    try:
+        q, k, v, h0 = _inputs(1, 16384, 16, h0=torch.float32, seed=61)
+        _check(q, k, v, h0, True, fla_fns=fla_fns)
+        q, k, v, h0 = _inputs(1, 8192, 8, h0=torch.float32, seed=62)
+        _check(q, k, v, h0, True, fla_fns=fla_fns)
+    finally:
+        lp.set_tuning()
+
+
+def test_split_cuda_graph_and_no_recompile():
+    """The split launches (3 kernels, no host sync) capture into a CUDA graph and replay to the same bits;
+    new sizes reuse the compiled kernels."""
+    from fla_cula import jit
+    lp = _lp()
+    q, k, v, h0 = _inputs(1, 4096, 8, h0=torch.float32, seed=71)
+    g = lightning_g_gamma(8, 0, 24, device=DEV)
+    lp.set_tuning(split=4)
+    try:
+        o0, s0 = lp.run(q, k, v, g, 128 ** -0.5, h0, True, None)
+        n0 = (jit.stats["compiled"], jit.stats["disk_hits"])
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            lp.run(q, k, v, g, 128 ** -0.5, h0, True, None)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o1, s1 = lp.run(q, k, v, g, 128 ** -0.5, h0, True, None)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(o0, o1) and torch.equal(s0, s1)
+        for B, T, H in ((2, 3000, 16), (1, 777, 4)):
+            q2, k2, v2, h2 = _inputs(B, T, H, h0=torch.float32, seed=B + T)
+            lp.run(q2, k2, v2, lightning_g_gamma(H, 0, 24, device=DEV), 128 ** -0.5, h2, True, None)
+        assert (jit.stats["compiled"], jit.stats["disk_hits"]) == n0
+    finally:
+        lp.set_tuning()
