@@ -10,8 +10,8 @@ device", "head dim 64: kernel supports 128", ...). Each distinct (op, reason) is
 Environment toggles are read at call time (cheap ``os.environ`` lookups):
   FLA_CULA=0           every call goes to FLA, even when patched.
   FLA_CULA_STRICT=1    a fallback raises :class:`FallbackError` with its reason instead.
-  FLA_CULA_STAND_IN=1  a chunk op without a kernel runs FLA's forward inside fla_cula's autograd
-                       Function (counted as ``stand_in``): the training path, tested before a kernel.
+  FLA_CULA_STAND_IN=1  a chunk op runs FLA's forward inside fla_cula's autograd Function in place of its
+                       kernel (counted as ``stand_in``): the training path's plumbing, bit-identical to FLA.
 """
 
 from __future__ import annotations
@@ -262,10 +262,10 @@ def _decide(spec, plan_args: tuple, tensors: tuple) -> tuple:
     if pre:
         return pre, None, None
     name = spec.kernel
-    if name is None:
-        if spec.stand_in is None or not stand_in():
-            return NO_KERNEL_YET, None, None
+    if spec.stand_in is not None and stand_in():  # FLA_CULA_STAND_IN=1: FLA's forward in place of the kernel
         name = spec.stand_in
+    elif name is None:
+        return NO_KERNEL_YET, None, None
     fn, why = registry.plan_function(name)
     if fn is None:
         return why, None, None
@@ -301,7 +301,7 @@ def route(op: str, plan_args: tuple, tensors: tuple, key_args=None, validate: Ca
     sized = spec.runtime_dims is not None
     cache = _memo[op]
     try:
-        key = (spec.kernel is None and stand_in(), size_free_signature(ka, spec.runtime_dims)) if sized \
+        key = (spec.stand_in is not None and stand_in(), size_free_signature(ka, spec.runtime_dims)) if sized \
             else signature(ka)
         ent = cache.get(key)
     except TypeError:  # an unhashable argument: decide without memo (its check names it)

@@ -12,8 +12,8 @@ Grad policy per op:
   ``fla_backward``  our forward inside an autograd Function whose backward is FLA 0.6.0's
                     (``fla_cula.ops.chunk_autograd``): training calls run our forward too.
 
-Stand-in: a chunk op without a kernel of its own can run FLA's forward inside fla_cula's autograd
-Function (``FLA_CULA_STAND_IN=1``), which tests the training path before a kernel exists. Calls that
+Stand-in: with ``FLA_CULA_STAND_IN=1`` a chunk op runs FLA's forward inside fla_cula's autograd Function in
+place of its kernel, which tests the training path's plumbing (gradients bit-identical to FLA's). Calls that
 take it are counted as ``stand_in``, never as ``kernel``.
 """
 
@@ -58,6 +58,7 @@ KERNELS: dict[str, KernelEntry] = {e.name: e for e in (
     KernelEntry("lightning_decode", "fla_cula.kernels.lightning_decode", "CuTe DSL"),
     KernelEntry("lightning_prefill", "fla_cula.kernels.lightning_prefill", "CuTe DSL", plan="plan_chunk"),
     KernelEntry("varlen_schedule", "fla_cula.kernels.varlen_schedule", "CUDA C++", plan="chunk_schedule"),
+    KernelEntry("kda_prefill", "fla_cula.kernels.kda_prefill", "CUDA C++"),
     KernelEntry("probe", "fla_cula.kernels.probe", "CuTe DSL", plan="scale_add_"),
     KernelEntry("stand_in_chunk_kda", "fla_cula.ops.stand_in", "FLA (stand-in)", plan="plan_chunk_kda",
                 route="stand_in"),
@@ -76,12 +77,16 @@ OPS: dict[str, OpSpec] = {s.op: s for s in (
     OpSpec("fused_recurrent_kda_fwd", "kda_decode", FORWARD_ONLY),
     OpSpec("fused_recurrent_lightning_attn", "lightning_decode", FORWARD_ONLY),
     OpSpec("fused_recurrent_simple_gla", "lightning_decode", FORWARD_ONLY),
+    # chunk_kda: the fused KDA prefill v1 (kernel "kda_prefill", csrc/kda_sm90/) is not routed: on the H200 its
+    # forward passed 12 of 14 smoke tests (fp64 and FLA bars) but ran 1.9x slower than FLA (6.43 vs 3.37 ms at
+    # B2 T8192 H64) and its grad path failed (docs/kda_sm90.md, session 9). tests/gpu/test_kda_prefill.py
+    # routes it for the test; it is routed here once it is faster than FLA.
     OpSpec("chunk_kda", None, FLA_BACKWARD, "stand_in_chunk_kda", _KDA_CHUNK_DIMS),
-    # chunk_lightning_attn: the lightning_prefill kernel (v1) is not routed yet: it ran on the H200 once
-    # (0.549 ms vs FLA's 0.829 at B=2 T=8192 H=64) but its tail/final-state cases were compared against
-    # FLA's NaN final state and never reached the fp64 check (docs/lightning_prefill.md); it is routed
-    # ("lightning_prefill" here) once tests/gpu/test_lightning_prefill.py passes on the H200.
-    OpSpec("chunk_lightning_attn", None, FLA_BACKWARD, "stand_in_chunk_lightning_attn", _LIGHTNING_CHUNK_DIMS),
+    # chunk_lightning_attn: the lightning prefill kernel (CuTe DSL; wgmma by default, an exact two-pass sequence
+    # split for grids that cannot fill the GPU): its 145 GPU tests passed on the H200 (session 9,
+    # docs/lightning_prefill.md).
+    OpSpec("chunk_lightning_attn", "lightning_prefill", FLA_BACKWARD, "stand_in_chunk_lightning_attn",
+           _LIGHTNING_CHUNK_DIMS),
 )}
 
 _lock = threading.Lock()

@@ -48,6 +48,18 @@ def _grads(fn, tensors, kwargs, do, dht):
 NAMES = ["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0"]
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical, NaN included (FLA 0.6.0 returns NaN final states at some lengths: same NaNs, same place)."""
+    na, nb = a.isnan(), b.isnan()
+    return torch.equal(na, nb) and torch.equal(a.masked_fill(na, 0), b.masked_fill(nb, 0))
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| over the elements where neither is NaN (NaN positions are compared by _same)."""
+    d = (a.float() - b.float()).abs()
+    return d.masked_fill(d.isnan(), 0).max().item()
+
+
 def _compare(ref, ours, ref2):
     """Bit-identical where FLA is bit-reproducible; else within FLA's own run-to-run difference."""
     nondet = []
@@ -56,12 +68,13 @@ def _compare(ref, ours, ref2):
             assert b is None, f"{name}: FLA returns none, fla_cula returns one"
             continue
         assert b is not None and b.dtype == a.dtype and b.shape == a.shape, name
-        if torch.equal(a, a2):
-            assert torch.equal(a, b), f"{name}: not bit-identical to FLA (max |diff| {(a - b).abs().max().item():.3g})"
+        if _same(a, a2):
+            assert _same(a, b), f"{name}: not bit-identical to FLA (max |diff| {_max_diff(a, b):.3g})"
         else:
-            spread = (a.float() - a2.float()).abs().max().item()
+            assert torch.equal(a.isnan(), a2.isnan()) and torch.equal(a.isnan(), b.isnan()), f"{name}: NaN places"
+            spread = _max_diff(a, a2)
             nondet.append(f"{name} (FLA run-to-run {spread:.3g})")
-            assert (a.float() - b.float()).abs().max().item() <= spread, name
+            assert _max_diff(a, b) <= spread, name
     return nondet
 
 
@@ -201,14 +214,17 @@ def test_chunk_lightning_grads_bit_identical_to_fla(case):
         if a is None:
             assert b is None
         elif st["kernel"] and name in ("o", "ht"):
-            # the prefill kernel's forward: FLA's tolerance here (tests/gpu/test_lightning_prefill.py holds
-            # it to the fp64 reference); the gradients below are FLA's backward on the same inputs
-            from fla.utils import assert_close
-            assert_close(name, a, b, 0.005)
-        elif torch.equal(a, a2):
-            assert torch.equal(a, b), f"{name}: not bit-identical to FLA's"
+            # the prefill kernel's forward: FLA's tolerance here where FLA's result is finite (FLA 0.6.0 returns a
+            # NaN final state at some lengths; tests/gpu/test_lightning_prefill.py holds ours to the fp64
+            # reference); the gradients below are FLA's backward on the same inputs
+            assert torch.isfinite(b).all(), f"{name}: non-finite values from the kernel"
+            if torch.isfinite(a).all():
+                from fla.utils import assert_close
+                assert_close(name, a, b, 0.005)
+        elif _same(a, a2):
+            assert _same(a, b), f"{name}: not bit-identical to FLA's"
         else:
-            assert (a.float() - b.float()).abs().max() <= (a.float() - a2.float()).abs().max(), name
+            assert _max_diff(a, b) <= _max_diff(a, a2), name
 
 
 def test_kda_layer_compiles_forward_and_backward():
@@ -239,16 +255,19 @@ def test_thousand_lengths_one_decision_one_compile(monkeypatch):
     """Prefill lengths change every call: 1,000 lengths are one memo entry and at most one compile
     (batch and length are runtime values in the kernel and in the routing key)."""
     from fla_cula import jit
-    from fla_cula.kernels import registry
-    monkeypatch.setitem(registry.OPS, "chunk_lightning_attn",  # the kernel, routed for this test (see registry)
-                        registry.OpSpec("chunk_lightning_attn", "lightning_prefill", registry.FLA_BACKWARD, None,
-                                        registry.OPS["chunk_lightning_attn"].runtime_dims))
+    from fla_cula.kernels import lightning_prefill
+    monkeypatch.delenv("FLA_CULA_STAND_IN")   # the kernel itself (the stand-in would take its place)
+    lightning_prefill.set_tuning(split=0)     # one kernel: the sequence split compiles three on first use
+    monkeypatch.setattr(lightning_prefill, "MIN_CTAS", 0)  # H=2: a grid the routed op would otherwise send to FLA
     routing.clear_plans()
     before = jit.stats["compiled"] + jit.stats["disk_hits"]
-    with torch.no_grad():
-        for t in range(1, 1001):
-            x = torch.randn(1, t, 2, 64, dtype=torch.bfloat16, device="cuda")
-            fla_cula.chunk_lightning_attn(x, x, x, 0, 2)
+    try:
+        with torch.no_grad():
+            for t in range(1, 1001):
+                x = torch.randn(1, t, 2, 64, dtype=torch.bfloat16, device="cuda")
+                fla_cula.chunk_lightning_attn(x, x, x, 0, 2)
+    finally:
+        lightning_prefill.set_tuning()
     st = fla_cula.status()["chunk_lightning_attn"]
     assert st["kernel"] == 1000, st
     assert routing.memo_size("chunk_lightning_attn") == 1
