@@ -10,6 +10,7 @@
 
 #include "common/dlpack_tensor.h"
 #include "host/call_signature.h"
+#include "kda_sm90/kda_fwd.h"
 #include "varlen_schedule/varlen_schedule.h"
 
 #ifndef FLA_CULA_VERSION
@@ -23,10 +24,11 @@ namespace py = pybind11;
 
 namespace fla_cula {
 void register_varlen_schedule(py::module_& m);
+void register_kda_fwd(py::module_& m);
 }
 
 // Bumped whenever a function's signature or semantics changes; fla_cula/_ext.py refuses a stale build.
-constexpr int kApiVersion = 3;
+constexpr int kApiVersion = 4;
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fla_cula CUDA C++ kernels (sm_90a), torch-free pybind11 bindings over DLPack";
@@ -52,6 +54,7 @@ PYBIND11_MODULE(_C, m) {
       "bytes, other items as they are; slow(tensor) for a tensor the exchange API refuses.");
 
   fla_cula::register_varlen_schedule(m);
+  fla_cula::register_kda_fwd(m);
 
   m.def(
       "kernels",
@@ -73,6 +76,22 @@ PYBIND11_MODULE(_C, m) {
         family["symbol"] = "varlen_schedule_kernel";
         family["specializations"] = specs;
         out.push_back(family);
+        py::list kda_specs;
+        for (auto const& s : fla_cula::kKdaFwdSpecialization) {
+          py::dict d;
+          d["gate"] = s.gate;
+          d["profile"] = s.profile;
+          d["threads"] = s.threads;
+          d["block_v"] = s.block_v;
+          d["smem_bytes"] = s.smem_bytes;
+          d["symbol"] = "kda_fwd_kernel";
+          kda_specs.append(d);
+        }
+        py::dict kda;
+        kda["name"] = "kda_prefill";
+        kda["symbol"] = "kda_fwd_kernel";
+        kda["specializations"] = kda_specs;
+        out.push_back(kda);
         return out;
       },
       "The C++ kernel families in this build, each with its specializations (CTA size, dynamic shared\n"

@@ -1,0 +1,76 @@
+// Host interface of the fused KDA prefill forward (issue 18; design: docs/kda_sm90.md). Plain C++, no
+// CUDA headers: the binding (kda_fwd_api.cpp) compiles with the host compiler alone.
+//
+// v1 ("v1 as built" in docs/kda_sm90.md): one CTA of 256 threads per (sequence n, value head hv,
+// 64-column V block), chunks of 64 tokens in four 16-token blocks, the state S (128 x 64 fp32) in
+// mma.sync accumulators across chunks. Per chunk: l2norm, beta sigmoid and the bounded sigmoid gate
+// a = lb * sigmoid(exp(A_log) * (g + dt_bias)) fused; integer-anchored gate factors (1.3); Aqk and L on
+// mma.sync m16n8k16 bf16; (I + L)^-1 in fp32 (blocked forward substitution, 1.4); the WY products
+// V' = U - W S, O = Qg S + Aqk V', S = diag(gamma) S + Kd^T V' on mma.sync (1.5).
+#pragma once
+
+#include <cstdint>
+
+namespace fla_cula {
+
+struct KdaFwdParams {
+  // inputs, token-major: element (token t, head x, channel d) at t * tok_stride + x * head_stride + d;
+  // for fixed length the token index runs over the flattened [B*T]
+  void const* q;        // bf16 [B,T,H,128]
+  void const* k;        // bf16 [B,T,H,128]
+  int64_t qk_tok_stride, qk_head_stride;
+  void const* v;        // bf16 [B,T,HV,128]
+  int64_t v_tok_stride, v_head_stride;
+  void const* g;        // bf16 raw gate [B,T,HV,128]
+  int64_t g_tok_stride, g_head_stride;
+  void const* beta;     // raw beta [B,T,HV], bf16 or fp32 (head stride 1)
+  bool beta_fp32;
+  int64_t beta_tok_stride;
+  void const* A_log;    // [HV] fp32 or bf16, or null (exp(A_log) := 1)
+  bool A_log_fp32;
+  void const* dt_bias;  // [HV*128] fp32 or bf16, or null (0)
+  bool dt_bias_fp32;
+  float const* h0;      // [N,HV,128,128] fp32 ([N,HV,V,K] with state_v_first), or null (zero start)
+  bool state_v_first;   // h0 / ht layout
+  // outputs
+  void* o;              // bf16 [B,T,HV,128]
+  int64_t o_tok_stride, o_head_stride;
+  float* ht;            // [N,HV,128,128] in the h0 layout, or null
+  void* Aqk;            // bf16 [B,T,HV,64] or null (grad extras; written by the V block 0 CTAs)
+  void* Akk;            // bf16 [B,T,HV,64] or null
+  int64_t extras_tok_stride;  // HV * 64
+  long long* phase_cycles;    // [N*HV*2, kKdaFwdPhases] int64 or null: per CTA, clock64 cycles of each phase
+                              // summed over its chunks (thread 0's view, between CTA barriers)
+  // problem
+  int B, T, N, H, HV;
+  float scale, lower_bound, beta_scale;  // beta_scale 1, or 2 with allow_neg_eigval
+  bool use_qk_l2norm, use_beta_sigmoid;
+  void const* cu_seqlens;  // [N+1] int32 or int64, or null (fixed length)
+  bool cu_seqlens_int64;
+  int device;   // CUDA ordinal of every tensor
+  void* stream; // cudaStream_t of the caller on that device
+};
+
+// Enqueues the forward on params.stream; never synchronizes. std::invalid_argument for bad sizes,
+// std::runtime_error for CUDA failures.
+void run_kda_fwd(KdaFwdParams const& params);
+
+// The compiled specializations, for fla_cula info / the SASS check: the symbol contains
+// "kda_fwd_kernel" (demangled: kda_fwd_kernel<(GateForm)0, false>; profile = true is taken only when
+// phase_cycles is given).
+struct KdaFwdSpecialization {
+  char const* gate;  // gate form
+  bool profile;      // phase_cycles instrumentation compiled in
+  int threads;
+  int block_v;       // V columns per CTA
+  int smem_bytes;    // dynamic shared memory per CTA
+};
+constexpr int kKdaFwdSpecializations = 2;
+
+// Phases of a chunk timed by phase_cycles, in order: gate, scan+rstd, anchored factors, Aqk+L,
+// state-side factors, inverse (+ X diag b and the grad extras), -W, V' and Qg S, Aqk V' + state update
+// (+ waiting for the next chunk's loads).
+constexpr int kKdaFwdPhases = 9;
+extern KdaFwdSpecialization const kKdaFwdSpecialization[kKdaFwdSpecializations];
+
+}  // namespace fla_cula

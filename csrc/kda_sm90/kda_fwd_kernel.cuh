@@ -1,0 +1,605 @@
+// Device code of the fused KDA prefill forward, v1 (see kda_fwd.h and docs/kda_sm90.md "v1 as built").
+//
+// One CTA (8 warps) per (sequence n, value head hv, V block vb of 64 columns): every V column of S is an
+// independent recurrence under the same K-side operators, so the two V blocks of a pair are exact
+// halves (the K-side prep is recomputed by both). Per chunk of 64 tokens (rows >= L of a tail: q = k =
+// v = 0, a = 0, beta = 0, never stored), in phases separated by __syncthreads:
+//   1 load     q, k, g rows (raw, bf16) and v^T of the V block to smem, beta (sigmoid) per row: for chunk
+//              c + 1 issued during chunk c (cp.async for q, k after phase 5 and g after phase 7 into the
+//              buffers those phases free; v and beta through registers), waited for at the chunk's end
+//   2 prep     a: gate a = lb sigmoid(exp(A_log) (g + dt_bias)) in log2 units per element (all warps);
+//              b: warps 0-3: G = cumsum per channel, anchors A_r = ceil(G_16r), B_s = floor(G_16(s+1))
+//              (B_3 = floor(G_63)), gamma = exp2(G_63); warps 4-7: rstd of q and k rows
+//   3 factors  Qe = bf16(scale q^ exp2(G - A_r)), Ke = bf16(k^ exp2(G - A_r)), Kf = bf16(k^ exp2(B_r - G))
+//   4 intra    per 16x16 block (r, s <= r): Aqk = (Qe_r 2^(A_r - B_s)) Kf_s^T, L = b (Ke_r 2^(A_r - B_s)) Kf_s^T
+//              (the power of two is per channel, applied exactly to the bf16 row operand)
+//   5 state-side factors Qg = bf16(scale q^ exp2 G), Kg^T, Kd^T = bf16(k^ exp2(G_63 - G))^T;
+//              inverse X = (I + L)^-1: diagonal 16-blocks by forward substitution, then block rows
+//   6 -W = -(X diag b) Kg
+//   7 V' = (X diag b) V + (-W) bf16(S);  O = Qg bf16(S)
+//   8 O += Aqk V' (stored, rows < L); S = diag(gamma) S + Kd^T V' (accumulators); bf16(S)^T for chunk+1
+// Every exponent formed is <= 0 except the block scalars 2^(A_r - B_s) <= 2^118 for lb >= -5
+// (docs/kda_sm90.md 1.3): nothing overflows. Products are warp-level mma.sync m16n8k16 over smem tiles
+// (warp_mma_tn), so WGMMA/TMA can replace them one by one.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cstdint>
+
+#include "kda_sm90/kda_fwd.h"
+
+namespace fla_cula::kda_sm90 {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kC = 64;          // chunk
+constexpr int kBC = 16;         // sub-block
+constexpr int kK = 128;         // key head dim
+constexpr int kBV = 64;         // V columns per CTA
+constexpr int kVBlocks = 128 / kBV;
+constexpr int kThreads = 256;
+constexpr int kLdK = kK + 8;    // bf16 rows of 128 channels (+16 B: conflict-free fragment loads)
+constexpr int kLdC = kC + 8;    // bf16 rows of 64 tokens / 64 columns
+constexpr int kLdF = kC + 4;    // fp32 64 x 64 tiles
+constexpr float kLog2e = 1.4426950408889634f;
+
+enum class GateForm { SigmoidLB };
+
+struct SharedStorage {
+  bf16 sT[kBV][kLdK];                        // bf16(S)^T [v column][k channel], B operand of W S and Qg S
+  union {
+    struct {
+      bf16 q[kC][kLdK];                      // raw q rows (phases 1-5)
+      bf16 k[kC][kLdK];
+    } raw;
+    float X[kC][kLdF];                       // (I + L)^-1 (phase 5-): raw q/k dead after the phase-5 factors
+  } u1;
+  union {
+    float G[kC][kK];                         // gate cumsum (phases 2-5)
+    bf16 Wn[kC][kLdK];                       // -W (phase 6-7): G dead after phase 5
+  } u2;
+  bf16 vT[kBV][kLdC];                        // v^T of the V block [column][token]
+  union {
+    bf16 graw[kC][kLdK];                     // raw gate rows (phases 1-2)
+    bf16 t1[kC][kLdK];                       // Qe (3-4), then Qg (5-7): graw dead after phase 2
+  } u3;
+  union {
+    bf16 Ke[kC][kLdK];                       // (3-4)
+    bf16 KgT[kK][kLdC];                      // (5-6)
+  } t2;
+  union {
+    bf16 Kf[kC][kLdK];                       // (3-4)
+    bf16 KdT[kK][kLdC];                      // (5-8)
+  } t3;
+  bf16 aqk[kC][kLdC];                        // Aqk, masked j <= i (4-8)
+  float L[kC][kLdF];                         // beta_i k_i . k_j decayed, strict lower (4-5)
+  float tmp[3][kBC][kBC + 1];                // inverse block-row partial sums
+  bf16 akkb[kC][kLdC];                       // X diag(beta) (5-7)
+  bf16 vpT[kBV][kLdC];                       // bf16(V')^T [column][token] (7-8)
+  float beta[kC];
+  float rstd_q[kC];
+  float rstd_k[kC];
+  float gamma[kK];
+  long long prof[kKdaFwdPhases];             // phase_cycles accumulators (thread 0)
+  float dtb[kK];                             // dt_bias of this value head (0 when absent)
+  float expA;                                // exp(A_log[hv]) (1 when absent)
+  int anc_a[4][kK];                          // A_r = ceil(G_16r)
+  int anc_b[4][kK];                          // B_s = floor(G_16(s+1)), B_3 = floor(G_63)
+};
+
+constexpr int kSmemBytes = int(sizeof(SharedStorage));
+static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 opt-in maximum");
+
+__device__ __forceinline__ uint32_t ld32(bf16 const* p) { return *reinterpret_cast<uint32_t const*>(p); }
+
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+#ifdef FLA_CULA_KDA_HOST_EMULATION  // a CPU emulation of the warp's MMA (debugging the kernel without a GPU)
+  kda_emulated_mma(c, a0, a1, a2, a3, b0, b1);
+#else
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+// acc[nt] += A[0:16, 0:K] * B[8 nt : 8 nt + 8, 0:K]^T, both row-major in K (bf16 smem, leading dims in
+// elements, K-pairs contiguous). C fragment: acc[nt][0..1] at (row g, col 8 nt + 2 t + {0,1}),
+// acc[nt][2..3] at row g + 8 (g = lane / 4, t = lane % 4).
+template <int NT, int K>
+__device__ __forceinline__ void warp_mma_tn(float (&acc)[NT][4], bf16 const* A, int lda, bf16 const* B, int ldb,
+                                            int lane) {
+  int const g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int k0 = 0; k0 < K; k0 += 16) {
+    bf16 const* a = A + g * lda + k0 + 2 * t;
+    uint32_t const a0 = ld32(a), a1 = ld32(a + 8 * lda), a2 = ld32(a + 8), a3 = ld32(a + 8 * lda + 8);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      bf16 const* b = B + (nt * 8 + g) * ldb + k0 + 2 * t;
+      mma_bf16_16816(acc[nt], a0, a1, a2, a3, ld32(b), ld32(b + 8));
+    }
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void zero(float (&acc)[NT][4]) {
+#pragma unroll
+  for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+}
+
+// 2^e as fp32 for an integer e <= 127 (0 below the normal range: the product it scales is < 2^-126 there).
+__device__ __forceinline__ float pow2i(int e) {
+  e = e > 127 ? 127 : e;
+  return e < -126 ? 0.f : __int_as_float((e + 127) << 23);
+}
+
+// bf16 pair times (s0, s1), exact for powers of two with a normal result.
+__device__ __forceinline__ uint32_t scale_pair(uint32_t x, float s0, float s1) {
+  __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&x);
+  float2 f = __bfloat1622float2(v);
+  __nv_bfloat162 r = __floats2bfloat162_rn(f.x * s0, f.y * s1);
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+__device__ __forceinline__ float sigmoidf_(float z) { return __frcp_rn(1.f + exp2f(-z * kLog2e)); }
+
+__device__ __forceinline__ float load_param(void const* p, bool fp32, int64_t i) {
+  return fp32 ? static_cast<float const*>(p)[i] : __bfloat162float(static_cast<bf16 const*>(p)[i]);
+}
+
+__device__ __forceinline__ void store_pair(bf16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+
+// 16-byte global -> shared copy, zero-filled when !valid (no bytes read then). Completed by cp_async_wait_all.
+__device__ __forceinline__ void cp_async16(void* smem, void const* gmem, bool valid) {
+#ifdef FLA_CULA_KDA_HOST_EMULATION
+  if (valid) {
+    *static_cast<uint4*>(smem) = *static_cast<uint4 const*>(gmem);
+  } else {
+    *static_cast<uint4*>(smem) = make_uint4(0, 0, 0, 0);
+  }
+#else
+  unsigned const s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+#ifndef FLA_CULA_KDA_HOST_EMULATION
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
+// kProfile: the phase_cycles instrumentation is compiled in (a separate instantiation, so the timed-off
+// kernel keeps its registers and schedule).
+template <GateForm kGate, bool kProfile>
+__global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  SharedStorage& sm = *reinterpret_cast<SharedStorage*>(smem_raw);
+
+  int const tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int const g8 = lane >> 2, t4 = lane & 3;
+  int const vb = blockIdx.x % kVBlocks;
+  int const hv = (blockIdx.x / kVBlocks) % p.HV;
+  int const n = blockIdx.x / (kVBlocks * p.HV);
+  int const h = hv / (p.HV / p.H);
+  int const col0 = vb * kBV;
+
+  // sequence bounds in the flattened token index (clamped: a malformed cu_seqlens never reads outside)
+  int64_t const total = int64_t(p.B) * p.T;
+  int64_t bos, eos;
+  if (p.cu_seqlens == nullptr) {
+    bos = int64_t(n) * p.T;
+    eos = bos + p.T;
+  } else if (p.cu_seqlens_int64) {
+    bos = static_cast<int64_t const*>(p.cu_seqlens)[n];
+    eos = static_cast<int64_t const*>(p.cu_seqlens)[n + 1];
+  } else {
+    bos = static_cast<int32_t const*>(p.cu_seqlens)[n];
+    eos = static_cast<int32_t const*>(p.cu_seqlens)[n + 1];
+  }
+  bos = bos < 0 ? 0 : (bos > total ? total : bos);
+  eos = eos < bos ? bos : (eos > total ? total : eos);
+
+  bf16 const* qg = static_cast<bf16 const*>(p.q) + h * p.qk_head_stride;
+  bf16 const* kg = static_cast<bf16 const*>(p.k) + h * p.qk_head_stride;
+  bf16 const* vg = static_cast<bf16 const*>(p.v) + hv * p.v_head_stride + col0;
+  bf16 const* gg = static_cast<bf16 const*>(p.g) + hv * p.g_head_stride;
+  bf16* og = static_cast<bf16*>(p.o) + hv * p.o_head_stride + col0;
+  bool const extras = p.Aqk != nullptr && vb == 0;
+
+  // optional per-phase cycle counts (Params::phase_cycles): thread 0 reads clock64 after each phase's barrier
+  bool const prof = kProfile && p.phase_cycles != nullptr;
+  long long t_mark = 0;
+  auto mark = [&](int phase) {
+    if (prof && tid == 0) {
+      long long const t = clock64();
+      if (phase >= 0) sm.prof[phase] += t - t_mark;
+      t_mark = t;
+    }
+  };
+  if (tid < kKdaFwdPhases) sm.prof[tid] = 0;
+
+  // per-channel gate constants (read by phase 2a; first written here, before the first barrier)
+  if (tid < kK) {
+    sm.dtb[tid] = p.dt_bias != nullptr ? load_param(p.dt_bias, p.dt_bias_fp32, int64_t(hv) * kK + tid) : 0.f;
+    if (tid == 0) sm.expA = p.A_log != nullptr ? expf(load_param(p.A_log, p.A_log_fp32, hv)) : 1.f;
+  }
+
+  // ---- state: warp w owns rows d = 16 w .. 16 w + 15 of S (K x 64), as an m16n8 accumulator tile x 8
+  float S[8][4];
+  int64_t const state_base = (int64_t(n) * p.HV + hv) * kK * 128;
+  auto state_index = [&](int d, int c) -> int64_t {
+    return state_base + (p.state_v_first ? int64_t(col0 + c) * kK + d : int64_t(d) * 128 + col0 + c);
+  };
+  {
+    int const d0 = warp * 16 + g8;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      int const c = nt * 8 + 2 * t4;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        int const d = d0 + (e >> 1) * 8, cc = c + (e & 1);
+        S[nt][e] = p.h0 != nullptr ? p.h0[state_index(d, cc)] : 0.f;
+        sm.sT[cc][d] = __float2bfloat16_rn(S[nt][e]);
+      }
+    }
+  }
+  __syncthreads();
+
+  int64_t const len = eos - bos;
+  int const nchunks = int((len + kC - 1) / kC);
+  auto chunk_rows = [&](int c) -> int {
+    int64_t const left = eos - (bos + int64_t(c) * kC);
+    return int(left < kC ? left : kC);
+  };
+  // Loads of chunk c (rows >= its length zero): q, k rows -> u1.raw and g rows -> u3.graw by cp.async
+  // (waited for at the barrier that ends the previous chunk); v and beta through registers (vv, bv),
+  // stored to vT / beta by store_vb.
+  auto issue_qk = [&](int c) {
+    int64_t const t0 = bos + int64_t(c) * kC;
+    int const rw = chunk_rows(c);
+    for (int idx = tid; idx < kC * (kK / 8); idx += kThreads) {
+      int const i = idx >> 4, c8 = (idx & 15) * 8;
+      int64_t const off = i < rw ? (t0 + i) * p.qk_tok_stride + c8 : 0;
+      cp_async16(&sm.u1.raw.q[i][c8], qg + off, i < rw);
+      cp_async16(&sm.u1.raw.k[i][c8], kg + off, i < rw);
+    }
+  };
+  auto issue_g = [&](int c) {
+    int64_t const t0 = bos + int64_t(c) * kC;
+    int const rw = chunk_rows(c);
+    for (int idx = tid; idx < kC * (kK / 8); idx += kThreads) {
+      int const i = idx >> 4, c8 = (idx & 15) * 8;
+      int64_t const off = i < rw ? (t0 + i) * p.g_tok_stride + c8 : 0;
+      cp_async16(&sm.u3.graw[i][c8], gg + off, i < rw);
+    }
+  };
+  constexpr int kVLoads = kC * (kBV / 8) / kThreads;  // 16-byte v loads per thread and chunk
+  uint4 vv[kVLoads];
+  float bv = 0.f;
+  auto load_vb = [&](int c) {
+    int64_t const t0 = bos + int64_t(c) * kC;
+    int const rw = chunk_rows(c);
+#pragma unroll
+    for (int u = 0; u < kVLoads; ++u) {
+      int const idx = tid + u * kThreads, i = idx >> 3, c8 = (idx & 7) * 8;
+      vv[u] = make_uint4(0, 0, 0, 0);
+      if (i < rw) vv[u] = *reinterpret_cast<uint4 const*>(vg + (t0 + i) * p.v_tok_stride + c8);
+    }
+    bv = 0.f;
+    if (tid < rw) {
+      bv = load_param(p.beta, p.beta_fp32, (t0 + tid) * p.beta_tok_stride + hv);
+      if (p.use_beta_sigmoid) bv = p.beta_scale * sigmoidf_(bv);
+    }
+  };
+  auto store_vb = [&]() {
+#pragma unroll
+    for (int u = 0; u < kVLoads; ++u) {
+      int const idx = tid + u * kThreads, i = idx >> 3, c8 = (idx & 7) * 8;
+      bf16 const* e = reinterpret_cast<bf16 const*>(&vv[u]);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) sm.vT[c8 + j][i] = e[j];
+    }
+    if (tid < kC) sm.beta[tid] = bv;
+  };
+  if (nchunks > 0) {  // chunk 0: everything now
+    issue_qk(0);
+    issue_g(0);
+    load_vb(0);
+    store_vb();
+    cp_async_wait_all();
+  }
+  __syncthreads();
+
+  mark(-1);
+  for (int chunk = 0; chunk < nchunks; ++chunk) {
+    int64_t const tok0 = bos + int64_t(chunk) * kC;
+    int const rows = chunk_rows(chunk);
+    bool const prefetch = chunk + 1 < nchunks;
+
+    // ---- 2a: gate a (log2 units) per element, all threads; rows >= `rows` get a = 0
+    for (int idx = tid; idx < kC * (kK / 2); idx += kThreads) {
+      int const i = idx >> 6, d = (idx & 63) * 2;
+      float2 a = make_float2(0.f, 0.f);
+      if (i < rows) {
+        float2 const x = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u3.graw[i][d]));
+        a.x = p.lower_bound * kLog2e * sigmoidf_(sm.expA * (x.x + sm.dtb[d]));
+        a.y = p.lower_bound * kLog2e * sigmoidf_(sm.expA * (x.y + sm.dtb[d + 1]));
+      }
+      *reinterpret_cast<float2*>(&sm.u2.G[i][d]) = a;
+    }
+    __syncthreads();
+    mark(0);
+
+    // ---- 2b: cumsum G in place and anchors (warps 0-3, channel d = tid) | rstd (warps 4-7)
+    if (tid < kK) {
+      int const d = tid;
+      float acc = 0.f, nr[5];
+#pragma unroll
+      for (int i = 0; i < kC; ++i) {
+        acc += sm.u2.G[i][d];
+        sm.u2.G[i][d] = acc;
+        if ((i & 15) == 0) nr[i >> 4] = acc;
+      }
+      nr[4] = acc;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        sm.anc_a[r][d] = int(ceilf(nr[r]));
+        sm.anc_b[r][d] = int(floorf(nr[r + 1]));
+      }
+      sm.gamma[d] = exp2f(acc);
+    } else {
+      for (int i = warp - 4; i < kC; i += 4) {
+        float sq = 0.f, sk = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float const x = __bfloat162float(sm.u1.raw.q[i][lane * 4 + j]);
+          float const y = __bfloat162float(sm.u1.raw.k[i][lane * 4 + j]);
+          sq = fmaf(x, x, sq);
+          sk = fmaf(y, y, sk);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          sq += __shfl_xor_sync(0xffffffffu, sq, o);
+          sk += __shfl_xor_sync(0xffffffffu, sk, o);
+        }
+        if (lane == 0) {
+          sm.rstd_q[i] = p.use_qk_l2norm ? rsqrtf(sq + 1e-6f) : 1.f;
+          sm.rstd_k[i] = p.use_qk_l2norm ? rsqrtf(sk + 1e-6f) : 1.f;
+        }
+      }
+    }
+    __syncthreads();
+    mark(1);
+
+    // ---- 3: block-anchored factors (exponents G - A_r <= 0, B_r - G <= 0)
+    for (int idx = tid; idx < kC * (kK / 2); idx += kThreads) {
+      int const i = idx >> 6, d = (idx & 63) * 2, r = i >> 4;
+      float2 const G = *reinterpret_cast<float2 const*>(&sm.u2.G[i][d]);
+      float2 const q2 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i][d]));
+      float2 const k2 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i][d]));
+      float const sq = p.scale * sm.rstd_q[i], sk = sm.rstd_k[i];
+      float const ea0 = exp2f(G.x - float(sm.anc_a[r][d])), ea1 = exp2f(G.y - float(sm.anc_a[r][d + 1]));
+      float const fb0 = exp2f(float(sm.anc_b[r][d]) - G.x), fb1 = exp2f(float(sm.anc_b[r][d + 1]) - G.y);
+      store_pair(&sm.u3.t1[i][d], q2.x * sq * ea0, q2.y * sq * ea1);
+      store_pair(&sm.t2.Ke[i][d], k2.x * sk * ea0, k2.y * sk * ea1);
+      store_pair(&sm.t3.Kf[i][d], k2.x * sk * fb0, k2.y * sk * fb1);
+    }
+    __syncthreads();
+    mark(2);
+
+    // ---- 4: Aqk and L, 16 blocks each (s > r: zeros)
+    for (int job = warp; job < 32; job += 8) {
+      bool const is_l = job >= 16;
+      int const r = (job & 15) >> 2, s = job & 3;
+      float acc[2][4];
+      zero(acc);
+      if (s <= r) {
+        bf16 const* A = (is_l ? &sm.t2.Ke[16 * r][0] : &sm.u3.t1[16 * r][0]) + g8 * kLdK + 2 * t4;
+#pragma unroll
+        for (int k0 = 0; k0 < kK; k0 += 16) {
+          int const d = k0 + 2 * t4;
+          float const s0 = pow2i(sm.anc_a[r][d] - sm.anc_b[s][d]);
+          float const s1 = pow2i(sm.anc_a[r][d + 1] - sm.anc_b[s][d + 1]);
+          float const s8 = pow2i(sm.anc_a[r][d + 8] - sm.anc_b[s][d + 8]);
+          float const s9 = pow2i(sm.anc_a[r][d + 9] - sm.anc_b[s][d + 9]);
+          uint32_t const a0 = scale_pair(ld32(A + k0), s0, s1);
+          uint32_t const a1 = scale_pair(ld32(A + 8 * kLdK + k0), s0, s1);
+          uint32_t const a2 = scale_pair(ld32(A + k0 + 8), s8, s9);
+          uint32_t const a3 = scale_pair(ld32(A + 8 * kLdK + k0 + 8), s8, s9);
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            bf16 const* b = &sm.t3.Kf[16 * s + nt * 8 + g8][k0 + 2 * t4];
+            mma_bf16_16816(acc[nt], a0, a1, a2, a3, ld32(b), ld32(b + 8));
+          }
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          int const i = 16 * r + g8 + (e >> 1) * 8, j = 16 * s + nt * 8 + 2 * t4 + (e & 1);
+          if (is_l) {
+            sm.L[i][j] = j < i ? sm.beta[i] * acc[nt][e] : 0.f;
+          } else {
+            sm.aqk[i][j] = __float2bfloat16_rn(j <= i ? acc[nt][e] : 0.f);
+          }
+        }
+      }
+    }
+    __syncthreads();
+    mark(3);
+
+    // ---- 5a: state-side factors (all exponents <= 0); raw q/k and G read for the last time
+    for (int idx = tid; idx < kC * (kK / 2); idx += kThreads) {
+      int const i = idx >> 6, d = (idx & 63) * 2;
+      float2 const G = *reinterpret_cast<float2 const*>(&sm.u2.G[i][d]);
+      float2 const G63 = *reinterpret_cast<float2 const*>(&sm.u2.G[kC - 1][d]);
+      float2 const q2 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i][d]));
+      float2 const k2 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i][d]));
+      float const sq = p.scale * sm.rstd_q[i], sk = sm.rstd_k[i];
+      float const e0 = exp2f(G.x), e1 = exp2f(G.y);
+      store_pair(&sm.u3.t1[i][d], q2.x * sq * e0, q2.y * sq * e1);
+      sm.t2.KgT[d][i] = __float2bfloat16_rn(k2.x * sk * e0);
+      sm.t2.KgT[d + 1][i] = __float2bfloat16_rn(k2.y * sk * e1);
+      sm.t3.KdT[d][i] = __float2bfloat16_rn(k2.x * sk * exp2f(G63.x - G.x));
+      sm.t3.KdT[d + 1][i] = __float2bfloat16_rn(k2.y * sk * exp2f(G63.y - G.y));
+    }
+    __syncthreads();
+    mark(4);
+
+    // ---- 5b: inverse. Diagonal blocks D_r = (I + L_rr)^-1 (warp r, lane = column), zero upper blocks.
+    if (warp < 4) {
+      int const r = warp, c = lane & 15, o = 16 * r;
+      float x[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        float s = i == c ? 1.f : 0.f;
+#pragma unroll
+        for (int j = 0; j < i; ++j) s = fmaf(-sm.L[o + i][o + j], x[j], s);
+        x[i] = s;
+      }
+      if (lane < 16) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) sm.u1.X[o + i][o + c] = x[i];
+      }
+    } else {
+      for (int idx = tid - 128; idx < kC * kC; idx += 128) {
+        int const i = idx >> 6, j = idx & 63;
+        if ((j >> 4) > (i >> 4)) sm.u1.X[i][j] = 0.f;
+      }
+    }
+    __syncthreads();
+    // block rows: X_rs = -D_r sum_{t=s}^{r-1} L_rt X_ts, s < r
+    for (int r = 1; r < 4; ++r) {
+      for (int e = tid; e < r * 256; e += kThreads) {
+        int const s = e >> 8, i = (e >> 4) & 15, j = e & 15;
+        float acc = 0.f;
+        for (int t = s; t < r; ++t) {
+#pragma unroll
+          for (int m = 0; m < 16; ++m) acc = fmaf(sm.L[16 * r + i][16 * t + m], sm.u1.X[16 * t + m][16 * s + j], acc);
+        }
+        sm.tmp[s][i][j] = acc;
+      }
+      __syncthreads();
+      for (int e = tid; e < r * 256; e += kThreads) {
+        int const s = e >> 8, i = (e >> 4) & 15, j = e & 15;
+        float acc = 0.f;
+#pragma unroll
+        for (int m = 0; m < 16; ++m) acc = fmaf(sm.u1.X[16 * r + i][16 * r + m], sm.tmp[s][m][j], acc);
+        sm.u1.X[16 * r + i][16 * s + j] = -acc;
+      }
+      __syncthreads();
+    }
+    // X diag(beta) as the bf16 A operand; grad extras Akk = bf16(X) (zeros above the diagonal), Aqk
+    for (int idx = tid; idx < kC * kC / 2; idx += kThreads) {
+      int const i = idx >> 5, j = (idx & 31) * 2;
+      float const x0 = sm.u1.X[i][j], x1 = sm.u1.X[i][j + 1];
+      store_pair(&sm.akkb[i][j], x0 * sm.beta[j], x1 * sm.beta[j + 1]);
+      if (extras && i < rows) {
+        int64_t const off = (tok0 + i) * p.extras_tok_stride + int64_t(hv) * kC + j;
+        store_pair(static_cast<bf16*>(p.Akk) + off, x0, x1);
+        *reinterpret_cast<uint32_t*>(static_cast<bf16*>(p.Aqk) + off) = ld32(&sm.aqk[i][j]);
+      }
+    }
+    __syncthreads();
+    mark(5);
+    if (prefetch) issue_qk(chunk + 1);  // u1.raw: X was last read above (barrier between)
+
+    // ---- 6: -W = -(X diag b) Kg : 64 x 128, warp = (row tile w/2, 64 columns)
+    {
+      int const mt = warp >> 1, nb = (warp & 1) * 64;
+      float acc[8][4];
+      zero(acc);
+      warp_mma_tn<8, kC>(acc, &sm.akkb[16 * mt][0], kLdC, &sm.t2.KgT[nb][0], kLdC, lane);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        int const i = 16 * mt + g8, d = nb + nt * 8 + 2 * t4;
+        store_pair(&sm.u2.Wn[i][d], -acc[nt][0], -acc[nt][1]);
+        store_pair(&sm.u2.Wn[i + 8][d], -acc[nt][2], -acc[nt][3]);
+      }
+    }
+    __syncthreads();
+    mark(6);
+
+    // ---- 7: V' = (X diag b) V - W bf16(S) ; O = Qg bf16(S). 64 x 64, warp = (row tile w/2, 32 columns)
+    int const mt = warp >> 1, nb = (warp & 1) * 32;
+    float o_acc[4][4];
+    {
+      float vp[4][4];
+      zero(vp);
+      warp_mma_tn<4, kC>(vp, &sm.akkb[16 * mt][0], kLdC, &sm.vT[nb][0], kLdC, lane);
+      warp_mma_tn<4, kK>(vp, &sm.u2.Wn[16 * mt][0], kLdK, &sm.sT[nb][0], kLdK, lane);
+      zero(o_acc);
+      warp_mma_tn<4, kK>(o_acc, &sm.u3.t1[16 * mt][0], kLdK, &sm.sT[nb][0], kLdK, lane);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          int const i = 16 * mt + g8 + (e >> 1) * 8, c = nb + nt * 8 + 2 * t4 + (e & 1);
+          sm.vpT[c][i] = __float2bfloat16_rn(vp[nt][e]);
+        }
+      }
+    }
+    __syncthreads();
+    mark(7);
+    if (prefetch) {
+      issue_g(chunk + 1);  // u3.graw: Qg (t1) was last read in phase 7 (barrier between)
+      load_vb(chunk + 1);  // into registers; vT / beta are stored after phase 8
+    }
+
+    // ---- 8: O += Aqk V' (store rows < `rows`); S = diag(gamma) S + Kd^T V'; bf16(S)^T for the next chunk
+    warp_mma_tn<4, kC>(o_acc, &sm.aqk[16 * mt][0], kLdC, &sm.vpT[nb][0], kLdC, lane);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      int const i = 16 * mt + g8, c = nb + nt * 8 + 2 * t4;
+      if (i < rows) store_pair(og + (tok0 + i) * p.o_tok_stride + c, o_acc[nt][0], o_acc[nt][1]);
+      if (i + 8 < rows) store_pair(og + (tok0 + i + 8) * p.o_tok_stride + c, o_acc[nt][2], o_acc[nt][3]);
+    }
+    {
+      int const d0 = warp * 16 + g8;
+      float const gm0 = sm.gamma[d0], gm1 = sm.gamma[d0 + 8];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        S[nt][0] *= gm0;
+        S[nt][1] *= gm0;
+        S[nt][2] *= gm1;
+        S[nt][3] *= gm1;
+      }
+      warp_mma_tn<8, kC>(S, &sm.t3.KdT[warp * 16][0], kLdC, &sm.vpT[0][0], kLdC, lane);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        int const c = nt * 8 + 2 * t4;
+        sm.sT[c][d0] = __float2bfloat16_rn(S[nt][0]);
+        sm.sT[c + 1][d0] = __float2bfloat16_rn(S[nt][1]);
+        sm.sT[c][d0 + 8] = __float2bfloat16_rn(S[nt][2]);
+        sm.sT[c + 1][d0 + 8] = __float2bfloat16_rn(S[nt][3]);
+      }
+    }
+    if (prefetch) store_vb();  // vT last read in phase 7, beta in phase 5 (barriers between)
+    cp_async_wait_all();       // this thread's copies of chunk + 1 landed; the barrier publishes them
+    __syncthreads();
+    mark(8);
+  }
+  if (prof && tid == 0) {
+    for (int ph = 0; ph < kKdaFwdPhases; ++ph) p.phase_cycles[int64_t(blockIdx.x) * kKdaFwdPhases + ph] = sm.prof[ph];
+  }
+
+  // ---- final state
+  if (p.ht != nullptr) {
+    int const d0 = warp * 16 + g8;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      int const c = nt * 8 + 2 * t4;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) p.ht[state_index(d0 + (e >> 1) * 8, c + (e & 1))] = S[nt][e];
+    }
+  }
+}
+
+}  // namespace fla_cula::kda_sm90

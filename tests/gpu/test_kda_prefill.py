@@ -1,0 +1,609 @@
+"""GPU tests of the KDA prefill kernel ("kda_prefill", csrc/kda_sm90/, host fla_cula/kernels/kda_prefill.py)
+through the public op `fla_cula.ops.kda.chunk_kda` (FLA 0.6.0's signature), in strict mode
+(FLA_CULA_STRICT=1), so a call that silently falls back to FLA fails instead of testing FLA.
+
+The v1 scope: bf16 q/k/v/g, K = V = 128, HV % H == 0, use_gate_in_kernel=True with lower_bound in [-5, 0)
+(a = lb * sigmoid(exp(A_log) * (g + dt_bias)); A_log and dt_bias optional), safe_gate on/off, in-kernel
+l2norm / beta sigmoid / allow_neg_eigval, fp32 or no initial state, both state layouts, fixed length and
+varlen (int32/int64 cu_seqlens, with/without cu_seqlens_cpu), inference and grad (our forward + FLA's
+chunk_kda_bwd).
+
+Bars, every in-scope case (fresh random inputs):
+  route     fla_cula.last_route() == ("chunk_kda", "kernel") and status() counts exactly one kernel call,
+            asserted before anything is compared (a fallback cannot pass);
+  fp64      rel RMS (fla_cula.reference.compare.rel_rms) of o and of the final state vs the fp64 recurrence
+            (fla_cula.reference.kda.kda_recurrent) <= 0.005;
+  vs FLA    our error <= 1.5 x FLA 0.6.0's error on the same inputs (its Triton path: FLA_FLASH_KDA=0)
+            + 7.8e-4 (parity.rules.floor_for(bf16)); the FLA leg is dropped only where FLA's own error is
+            not finite (or FLA raises), as parity/rules.py does;
+  poison    our call runs under parity.runner.nan_empty (torch.empty* return NaN): every output finite;
+            every input bit-identical afterwards; an empty varlen sequence's final state is exactly its
+            initial state (zeros without one);
+  grad      loss = (o * do).sum() + (ht * dht).sum(); dq dk dv dg dbeta dA_log ddt_bias dh0 vs the fp64
+            autograd oracle (parity/autograd_ref.py) judged by parity.rules.judge: under FLA's tolerance
+            (0.008 dq/dk/dv/dh0, 0.02 dg/dbeta/dA_log/ddt_bias) AND <= 1.5 x FLA's error + floor(dtype).
+Out of scope (precomputed g, softplus gate, K=64, fp16, chunk_size=32 under grad, return_intermediate_states,
+disable_recompute under grad):
+strict mode raises fla_cula.FallbackError with the kernel's reason; without strict mode the result equals
+FLA's bit for bit and the recorded fallback reason is non-empty.
+
+Gate regimes: "random" (FLA's tests: g, A_log, dt_bias ~ randn) and "slow" (T = 2048; every fourth key
+channel has dt_bias = -13 and A_log >= 0, so 1 - exp(a) < 0.01 on every token there - asserted - and the
+state carries information across all 32 chunks).
+
+    python -m pytest -q tests/gpu/test_kda_prefill.py -k smoke     # ~14 representative cases first
+    python -m pytest -q tests/gpu/test_kda_prefill.py              # the whole matrix (-s prints the errors)
+"""
+
+import contextlib
+import dataclasses
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fla_cula
+from fla_cula import routing
+from fla_cula.ops import kda as ops_kda
+from fla_cula.reference.compare import rel_rms
+from fla_cula.reference.kda import kda_gate, kda_recurrent
+
+DEV = "cuda"
+TOL = 0.005            # FLA's assert_close ratio for o and states (tests/ops/test_kda.py)
+VS_FLA = 1.5           # our error / FLA's error, same inputs, same reference
+FLOOR = 2e-6 + 0.1 * torch.finfo(torch.bfloat16).eps   # 7.8e-4 = parity.rules.floor_for(torch.bfloat16)
+SLOW_DT_BIAS = -13.0   # slow-decay channels: 1 - exp(a) < 0.01 per token (with exp(A_log) >= 1, |g| < 5)
+
+
+# ---------------------------------------------------------------------------------------------
+# environment: the kernel routed, strict where asked, FLA on its Triton path, fresh accounting
+
+
+@pytest.fixture(autouse=True)
+def _kda_prefill_routed(monkeypatch):
+    """chunk_kda must be served by the kda_prefill kernel. If the registry still leaves the op unrouted (as
+    chunk_lightning_attn was until its GPU tests passed), route it for this test as test_training_path does;
+    a missing or unimportable kernel module is a failure, never a skip."""
+    from fla_cula.kernels import registry
+
+    monkeypatch.setenv("FLA_FLASH_KDA", "0")          # FLA's own FlashKDA backend off: FLA = its Triton kernels
+    monkeypatch.delenv("FLA_CULA", raising=False)
+    monkeypatch.delenv("FLA_CULA_STAND_IN", raising=False)
+    assert "kda_prefill" in registry.KERNELS, "no 'kda_prefill' KernelEntry in fla_cula/kernels/registry.py"
+    mod, why = registry.load("kda_prefill")
+    assert mod is not None, why
+    spec = registry.OPS["chunk_kda"]
+    if spec.kernel != "kda_prefill":
+        warnings.warn(f"registry routes chunk_kda to {spec.kernel!r}: routed to kda_prefill for this test only",
+                      stacklevel=2)
+        monkeypatch.setitem(registry.OPS, "chunk_kda", dataclasses.replace(spec, kernel="kda_prefill"))
+    routing.clear_plans()       # memoized "no kernel for this op yet" decisions must not survive the switch
+    fla_cula.reset_status()
+    yield
+    routing.clear_plans()
+    fla_cula.reset_status()
+
+
+def _forget_last_route():
+    routing._tls.last = None
+
+
+def _assert_kernel_route(ncalls=1):
+    route = fla_cula.last_route()
+    assert route == ("chunk_kda", "kernel"), f"chunk_kda did not run the kernel: last_route() = {route}"
+    st = fla_cula.status()["chunk_kda"]
+    assert st["kernel"] == ncalls and st["calls"] == ncalls and not st["fallback"], st
+
+
+# ---------------------------------------------------------------------------------------------
+# one case
+
+
+@dataclasses.dataclass(frozen=True)
+class Cfg:
+    B: int = 2
+    T: int = 64
+    H: int = 4
+    HV: int = 4
+    K: int = 128                     # K = V
+    dtype: torch.dtype = torch.bfloat16
+    gate_in_kernel: bool = True
+    lb: float | None = -5.0          # lower_bound (None: softplus form)
+    A_log: bool = True
+    dt_bias: bool = True
+    safe_gate: bool = True
+    l2norm: bool = True
+    sigmoid: bool = True             # use_beta_sigmoid_in_kernel
+    neg: bool = False                # allow_neg_eigval
+    beta_dtype: torch.dtype = torch.bfloat16
+    h0: bool = True
+    ht: bool = True                  # output_final_state
+    vfirst: bool = False             # state_v_first
+    scale: float | None = None
+    regime: str = "random"           # or "slow"
+    lens: tuple[int, ...] | None = None   # varlen sequence lengths (B = 1)
+    cu_dtype: torch.dtype = torch.int32
+    cu_cpu: bool = False             # pass cu_seqlens_cpu
+    mode: str = "inference"          # "inference" | "no_grad" | "no_grad_rg" (inputs require grad) | "grad"
+    chunk_size: int | None = None
+    noncontig: bool = False          # q, k, v as strided views of fused projections
+    seed: int = 0
+
+
+BASE = Cfg()
+
+
+def cfg(**kw) -> Cfg:
+    return dataclasses.replace(BASE, **kw)
+
+
+def describe(c: Cfg) -> str:
+    """The fields that differ from the base case (printed with the errors)."""
+    diff = {f.name: getattr(c, f.name) for f in dataclasses.fields(c) if getattr(c, f.name) != getattr(BASE, f.name)}
+    if c.lens is not None and len(c.lens) > 8:
+        diff["lens"] = f"{len(c.lens)} sequences, total {sum(c.lens)}"
+    return " ".join(f"{k}={v}" for k, v in diff.items()) or "base"
+
+
+def slow_channels(K: int) -> torch.Tensor:
+    return torch.arange(K, device=DEV) % 4 == 0     # a quarter of each head's key channels, spread over the tile
+
+
+def make_inputs(c: Cfg) -> dict:
+    gen = torch.Generator(device=DEV).manual_seed(c.seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=DEV, generator=gen)
+
+    def rand(*shape):
+        return torch.rand(*shape, device=DEV, generator=gen)
+
+    if c.lens is not None:
+        B, T, N = 1, sum(c.lens), len(c.lens)
+    else:
+        B, T, N = c.B, c.T, c.B
+    H, HV, K = c.H, c.HV, c.K
+    q, k = randn(B, T, H, K), randn(B, T, H, K)
+    if not c.l2norm:   # the delta rule needs unit keys; the op normalizes them only with the in-kernel l2norm
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    x = {"q": q.to(c.dtype), "k": k.to(c.dtype), "v": randn(B, T, HV, K).to(c.dtype), "A_log": None, "dt_bias": None}
+    if c.noncontig:   # as unfused projections often arrive: views with a head stride of 2K
+        x["q"], x["k"] = torch.stack([x["q"], x["k"]], dim=3).unbind(3)
+        x["v"] = torch.stack([x["v"], x["v"]], dim=3)[:, :, :, 1]
+        assert not x["q"].is_contiguous() and not x["v"].is_contiguous()
+    if c.gate_in_kernel:
+        x["g"] = randn(B, T, HV, K).to(c.dtype)                      # raw gate, FLA's tests: randn
+        if c.regime == "slow":
+            if c.A_log:
+                x["A_log"] = torch.log(1.0 + 15.0 * rand(HV))          # >= 0, as the KDA layer's init
+            dt = randn(HV, K)
+            dt[:, slow_channels(K)] = SLOW_DT_BIAS
+            x["dt_bias"] = dt.reshape(HV * K)
+        else:
+            if c.A_log:
+                x["A_log"] = randn(HV)
+            if c.dt_bias:
+                x["dt_bias"] = randn(HV * K)
+    else:
+        x["g"] = F.logsigmoid(randn(B, T, HV, K)).to(c.dtype)        # precomputed log decay
+    x["beta"] = (randn(B, T, HV) if c.sigmoid else randn(B, T, HV).sigmoid()).to(c.beta_dtype)
+    x["h0"] = randn(N, HV, K, K) if c.h0 else None                  # [N,HV,K,V] or [N,HV,V,K]: K = V
+    if c.lens is not None:
+        cu = torch.tensor([0, *torch.tensor(c.lens).cumsum(0).tolist()], dtype=c.cu_dtype)
+        x["cu"], x["cu_cpu"] = cu.to(DEV), (cu.clone() if c.cu_cpu else None)
+    else:
+        x["cu"] = x["cu_cpu"] = None
+    return x
+
+
+def call(fn, x: dict, c: Cfg, **extra):
+    """chunk_kda (ours or FLA's: same signature) on the case's inputs."""
+    kw = dict(scale=c.scale, initial_state=x["h0"], output_final_state=c.ht, use_qk_l2norm_in_kernel=c.l2norm,
+              use_gate_in_kernel=c.gate_in_kernel, use_beta_sigmoid_in_kernel=c.sigmoid, allow_neg_eigval=c.neg,
+              safe_gate=c.safe_gate, lower_bound=c.lb, state_v_first=c.vfirst, cu_seqlens=x["cu"],
+              cu_seqlens_cpu=x["cu_cpu"])
+    if c.gate_in_kernel:
+        kw.update(A_log=x["A_log"], dt_bias=x["dt_bias"])
+    if c.chunk_size is not None:
+        kw["chunk_size"] = c.chunk_size
+    kw.update(extra)
+    return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+
+
+def for_fla(x: dict) -> dict:
+    """FLA's signature says LongTensor cu_seqlens: FLA gets int64 copies (same sequences)."""
+    if x["cu"] is None:
+        return x
+    return dict(x, cu=x["cu"].long(), cu_cpu=None if x["cu_cpu"] is None else x["cu_cpu"].long())
+
+
+def reference(x: dict, c: Cfg):
+    return kda_recurrent(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=c.scale, initial_state=x["h0"],
+                         output_final_state=True, use_qk_l2norm_in_kernel=c.l2norm,
+                         use_gate_in_kernel=c.gate_in_kernel, A_log=x["A_log"], dt_bias=x["dt_bias"],
+                         lower_bound=c.lb, use_beta_sigmoid_in_kernel=c.sigmoid, allow_neg_eigval=c.neg,
+                         state_v_first=c.vfirst, cu_seqlens=x["cu"])
+
+
+def no_grad_context(mode: str):
+    return torch.inference_mode() if mode == "inference" else torch.no_grad()
+
+
+def _tensors(x: dict) -> dict:
+    return {n: t for n, t in x.items() if isinstance(t, torch.Tensor)}
+
+
+def _assert_unchanged(x: dict, before: dict):
+    for n, t0 in before.items():
+        assert torch.equal(x[n].detach(), t0), f"input {n} was modified by the call"
+
+
+def _assert_outputs(o, ht, x: dict, c: Cfg):
+    N = len(c.lens) if c.lens is not None else x["q"].shape[0]
+    assert o.dtype == x["q"].dtype and o.shape == x["v"].shape, (o.dtype, tuple(o.shape))
+    assert torch.isfinite(o).all(), "unwritten (NaN) or non-finite rows in o"
+    if c.ht:
+        assert ht is not None and ht.dtype == torch.float32 and ht.shape == (N, c.HV, c.K, c.K), ht
+        assert torch.isfinite(ht).all(), "unwritten (NaN) or non-finite final state"
+    else:
+        assert ht is None
+
+
+def _fla_forward(fla_fns, x: dict, c: Cfg):
+    """FLA's (o, ht) on the same inputs, or None with why (FLA raised)."""
+    try:
+        with no_grad_context(c.mode):
+            return call(fla_fns["chunk_kda"], for_fla(x), c), ""
+    except Exception as e:  # noqa: BLE001 - FLA rejecting in-scope inputs drops only the FLA leg (printed)
+        if "CUDA error" in str(e) or "illegal memory" in str(e):
+            raise
+        return None, f"FLA raised {type(e).__name__}: {str(e)[:160]}"
+
+
+def _judge_forward(o, ht, ro, rs, c: Cfg, fla_out, note=""):
+    """The fp64 bar and the vs-FLA bar for o and the final state; returns the errors."""
+    errs = {"o": rel_rms(ro, o)}
+    if c.ht:
+        errs["ht"] = rel_rms(rs, ht)
+    if fla_out is not None:
+        fo, fs = fla_out
+        errs["fla_o"] = rel_rms(ro, fo)
+        if c.ht:
+            errs["fla_ht"] = rel_rms(rs, fs)
+    print(f"\n{describe(c)} {note}\n  " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))   # -s / on failure
+    bad = []
+    for name in ("o", "ht"):
+        if name not in errs:
+            continue
+        e, f = errs[name], errs.get("fla_" + name)
+        if not e <= TOL:
+            over = f" (FLA itself: {f:.3e}, also over)" if f is not None and f > TOL else ""
+            bad.append(f"{name}: {e:.3e} > fp64 tolerance {TOL}{over}")
+        if f is not None and math.isfinite(f) and not e <= VS_FLA * f + FLOOR:
+            bad.append(f"{name}: {e:.3e} > {VS_FLA} x FLA {f:.3e} + {FLOOR:.1e}")
+    assert not bad, f"{'; '.join(bad)} ({errs})"
+    return errs
+
+
+def check_forward(c: Cfg, fla_fns):
+    """Ours (strict, NaN-poisoned allocations) vs the fp64 reference and FLA; returns (x, o, ht, errors)."""
+    from parity.runner import nan_empty
+
+    x = make_inputs(c)
+    if c.mode == "no_grad_rg":
+        for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0"):
+            if x[n] is not None:
+                x[n].requires_grad_(True)
+    before = {n: t.detach().clone() for n, t in _tensors(x).items()}
+    _forget_last_route()
+    with no_grad_context(c.mode), nan_empty():
+        o, ht = call(ops_kda.chunk_kda, x, c)
+    torch.cuda.synchronize()
+    _assert_kernel_route()
+    _assert_unchanged(x, before)
+    _assert_outputs(o, ht, x, c)
+    if c.lens is not None:   # an empty sequence's final state is its initial state (or zeros), exactly
+        for n, L in enumerate(c.lens):
+            if L == 0 and c.ht:
+                want = x["h0"][n].detach() if x["h0"] is not None else torch.zeros_like(ht[n])
+                assert torch.equal(ht[n], want), f"empty sequence {n}: final state is not its initial state"
+    with torch.no_grad():
+        ro, rs = reference(x, c)
+    fla_out, note = _fla_forward(fla_fns, x, c)
+    errs = _judge_forward(o, ht, ro, rs, c, fla_out, note)
+    return x, o, ht, errs
+
+
+def _params(cases: dict, smoke: set):
+    assert smoke <= set(cases), smoke - set(cases)
+    return [pytest.param(c, id=name + ("-smoke" if name in smoke else "")) for name, c in cases.items()]
+
+
+# ---------------------------------------------------------------------------------------------
+# fixed length, random gates
+
+
+def _fixed_cases() -> dict[str, Cfg]:
+    cases = {}
+    for T in (1, 63, 64, 65, 127, 1000):           # lengths around the 64-token chunk, both state layouts
+        for B in (1, 2):
+            cases[f"T{T}-B{B}" + ("-vfirst" if B == 1 else "")] = cfg(T=T, B=B, vfirst=B == 1, seed=T * 3 + B)
+    # GVA: value head hv reads qk head hv // (HV / H)
+    cases["GVA-H2-HV4-T65-B2"] = cfg(T=65, H=2, HV=4, seed=11)
+    cases["GVA-H2-HV4-T1000-B1-vfirst"] = cfg(T=1000, B=1, H=2, HV=4, vfirst=True, seed=12)
+    cases["GVA-H2-HV8-T127-B1"] = cfg(T=127, B=1, H=2, HV=8, seed=13)
+    cases["GVA-H2-HV8-T1000-B2-vfirst"] = cfg(T=1000, H=2, HV=8, vfirst=True, seed=14)
+    # the gate: lower bound x optional A_log / dt_bias (lb -5 with both is the default above), safe_gate off
+    for lb in (-5.0, -1.0, -0.1):
+        for A, dt in ((True, True), (True, False), (False, True), (False, False)):
+            if lb == -5.0 and A and dt:
+                continue
+            name = f"lb{lb:g}-{'A' if A else 'noA'}-{'dt' if dt else 'nodt'}"
+            cases[name] = cfg(T=127, lb=lb, A_log=A, dt_bias=dt, seed=20 + len(cases))
+    cases["lb-5-unsafe"] = cfg(T=127, lb=-5.0, safe_gate=False, seed=40)
+    cases["lb-1-unsafe"] = cfg(T=127, lb=-1.0, safe_gate=False, seed=41)
+    cases["lb-0.1-unsafe-noA"] = cfg(T=127, lb=-0.1, safe_gate=False, A_log=False, seed=42)
+    # state and flags (T = 200: three full chunks and a tail)
+    f = dict(T=200)
+    cases["noh0"] = cfg(**f, h0=False, seed=50)
+    cases["noht"] = cfg(**f, ht=False, seed=51)
+    cases["noh0-noht"] = cfg(**f, h0=False, ht=False, seed=52)
+    cases["noh0-vfirst"] = cfg(**f, h0=False, vfirst=True, seed=53)
+    cases["l2norm-off"] = cfg(**f, l2norm=False, seed=54)
+    cases["sigmoid-off"] = cfg(**f, sigmoid=False, seed=55)
+    cases["sigmoid-off-beta-f32"] = cfg(**f, sigmoid=False, beta_dtype=torch.float32, seed=56)
+    cases["beta-f32"] = cfg(**f, beta_dtype=torch.float32, seed=57)
+    cases["neg-eigval"] = cfg(**f, neg=True, seed=58)
+    cases["neg-eigval-beta-f32-vfirst"] = cfg(**f, neg=True, beta_dtype=torch.float32, vfirst=True, seed=59)
+    cases["scale-0.05"] = cfg(**f, scale=0.05, seed=60)
+    cases["no_grad"] = cfg(**f, mode="no_grad", seed=61)
+    cases["no_grad-inputs-require-grad"] = cfg(**f, mode="no_grad_rg", seed=62)
+    cases["chunk32-inference"] = cfg(**f, chunk_size=32, seed=65)      # chunk_size matters to v1 only under grad
+    cases["noncontiguous-qkv"] = cfg(**f, noncontig=True, seed=66)
+    cases["all-off"] = cfg(**f, l2norm=False, sigmoid=False, A_log=False, dt_bias=False, h0=False, vfirst=True,
+                           lb=-1.0, safe_gate=False, seed=63)
+    # the KDA layer's production flags (fla.layers.KimiDeltaAttention): all in kernel, state_v_first, GVA
+    cases["production-GVA-H4-HV8-T1000"] = cfg(T=1000, H=4, HV=8, vfirst=True, seed=64)
+    return cases
+
+
+FIXED = _fixed_cases()
+SMOKE_FIXED = {"T64-B2", "T65-B1-vfirst", "T1-B2", "GVA-H2-HV8-T1000-B2-vfirst", "lb-0.1-noA-nodt", "all-off"}
+
+
+@pytest.mark.parametrize("c", _params(FIXED, SMOKE_FIXED))
+def test_fixed(c, strict_mode, fla_fns):
+    check_forward(c, fla_fns)
+
+
+# ---------------------------------------------------------------------------------------------
+# slow decay: a quarter of the key channels keep their state over the whole 2048 tokens
+
+SLOW = {
+    "slow-H4-lb-5-B1": cfg(regime="slow", T=2048, B=1, seed=70),
+    "slow-GVA-H2-HV8-lb-1-vfirst-B1": cfg(regime="slow", T=2048, B=1, H=2, HV=8, lb=-1.0, vfirst=True, seed=71),
+    "slow-H4-lb-0.1-noA-unsafe-B2": cfg(regime="slow", T=2048, B=2, lb=-0.1, A_log=False, safe_gate=False,
+                                        seed=72),
+    "slow-varlen-H4-lb-5": cfg(regime="slow", lens=(1000, 1048), seed=73),
+}
+
+
+@pytest.mark.parametrize("c", _params(SLOW, {"slow-H4-lb-5-B1"}))
+def test_slow_decay(c, strict_mode, fla_fns):
+    x = make_inputs(c)
+    a = kda_gate(x["g"], x["A_log"], x["dt_bias"], c.lb)       # the regime itself, so the case is what it says
+    slow = slow_channels(c.K)
+    decay = -torch.expm1(a[..., slow])
+    assert decay.max().item() < 0.01, f"slow channels decay by up to {decay.max().item():.3g} per token"
+    assert -torch.expm1(a[..., ~slow]).mean().item() > 0.02, "the other channels are not in the random regime"
+    check_forward(c, fla_fns)
+
+
+# ---------------------------------------------------------------------------------------------
+# varlen
+
+VARLEN_SETS = {
+    "uneven": dict(lens=(100, 64, 836)),                                   # cu_seqlens [0, 100, 164, 1000]
+    "empty-first": dict(lens=(0, 100, 64, 836), h0=False),
+    "empty-mid": dict(lens=(100, 0, 64, 836), vfirst=True),
+    "empty-last": dict(lens=(100, 64, 836, 0), H=2, HV=4),
+    "64x37": dict(lens=(37,) * 64),
+    "long+short": dict(lens=(1500,) + (17,) * 20, H=2, HV=8, vfirst=True),
+    "N1": dict(lens=(1000,)),
+    "N1-T40": dict(lens=(40,)),
+    "tails": dict(lens=(1, 63, 64, 65, 127, 5, 129), lb=-1.0, l2norm=False, sigmoid=False),
+}
+CU_VARIANTS = {"i32-cpu": (torch.int32, True), "i32": (torch.int32, False), "i64-cpu": (torch.int64, True),
+               "i64": (torch.int64, False)}
+VARLEN = {f"{s}-{v}": cfg(**kw, cu_dtype=CU_VARIANTS[v][0], cu_cpu=CU_VARIANTS[v][1], seed=80 + 7 * i + j)
+          for i, (s, kw) in enumerate(VARLEN_SETS.items()) for j, v in enumerate(CU_VARIANTS)}
+
+
+@pytest.mark.parametrize("c", _params(VARLEN, {"uneven-i32-cpu", "empty-mid-i64", "64x37-i32"}))
+def test_varlen(c, strict_mode, fla_fns):
+    check_forward(c, fla_fns)
+
+
+def test_varlen_run_to_run_bit_identical(strict_mode):
+    """Same inputs twice (the work scheduler may hand items to other CTAs): the same bits."""
+    c = cfg(lens=(1500,) + (17,) * 20, H=2, HV=8, seed=5)
+    x = make_inputs(c)
+    with torch.inference_mode():
+        o1, ht1 = call(ops_kda.chunk_kda, x, c)
+        o2, ht2 = call(ops_kda.chunk_kda, x, c)
+    _assert_kernel_route(ncalls=2)
+    assert torch.equal(o1, o2) and torch.equal(ht1, ht2)
+
+
+# ---------------------------------------------------------------------------------------------
+# grad: our forward + FLA's backward vs the fp64 autograd oracle and FLA's own forward + backward
+
+GRAD = {
+    "T200-B2-H4": cfg(T=200, mode="grad", seed=90),
+    "T200-B2-GVA-H4-HV8-vfirst-neg-unsafe": cfg(T=200, H=4, HV=8, vfirst=True, neg=True, lb=-1.0,
+                                                safe_gate=False, mode="grad", seed=91),
+    "varlen-GVA-H2-HV8-noA": cfg(lens=(100, 1000, 200), H=2, HV=8, lb=-0.1, A_log=False, mode="grad", seed=92),
+    "varlen-H4-tails-nol2-nosig-beta-f32": cfg(lens=(1, 63, 65, 71), l2norm=False, sigmoid=False,
+                                               beta_dtype=torch.float32, dt_bias=False, cu_dtype=torch.int64,
+                                               cu_cpu=True, mode="grad", seed=93),
+    "T65-B1-noh0-noht": cfg(T=65, B=1, h0=False, ht=False, mode="grad", seed=94),
+}
+GRAD_LEAVES = {"q": "dq", "k": "dk", "v": "dv", "g": "dg", "beta": "dbeta", "A_log": "dA_log",
+               "dt_bias": "ddt_bias", "h0": "dh0"}
+
+
+def _run_grad(fn, x: dict, c: Cfg, do, dht, names, poison: bool, **extra):
+    """(o, ht, {grad name: grad}, route) of fn on fresh leaves; the forward under nan_empty when poison."""
+    from parity.runner import nan_empty
+
+    leaves = {n: x[n].detach().clone().requires_grad_(True) for n in names}
+    y = dict(x, **leaves)
+    with torch.enable_grad():
+        with nan_empty() if poison else contextlib.nullcontext():
+            o, ht = call(fn, y, c, **extra)
+        route = fla_cula.last_route()
+        loss = (o.float() * do.float()).sum()
+        if c.ht:
+            loss = loss + (ht * dht).sum()
+        grads = torch.autograd.grad(loss, [leaves[n] for n in names])
+    return o.detach(), None if ht is None else ht.detach(), dict(zip([GRAD_LEAVES[n] for n in names], grads,
+                                                                     strict=True)), route
+
+
+def _reference_grads(x: dict, c: Cfg, do, dht, names):
+    """fp64 (o, ht, grads) through parity.autograd_ref; its forward must equal kda_recurrent to 1e-10."""
+    from parity import autograd_ref
+
+    leaves = {n: x[n].detach().double().requires_grad_(True) for n in names}
+    y = dict(x, **leaves)
+    with torch.enable_grad():
+        o, ht = autograd_ref.kda(
+            y["q"], y["k"], y["v"], y["g"], y["beta"], scale=c.K ** -0.5 if c.scale is None else c.scale,
+            initial_state=y["h0"], use_qk_l2norm_in_kernel=c.l2norm, use_gate_in_kernel=c.gate_in_kernel,
+            A_log=y["A_log"], dt_bias=y["dt_bias"], lower_bound=c.lb, use_beta_sigmoid_in_kernel=c.sigmoid,
+            allow_neg_eigval=c.neg, state_v_first=c.vfirst, cu_seqlens=x["cu"])
+        loss = (o * do.double()).sum()
+        if c.ht:
+            loss = loss + (ht * dht.double()).sum()
+        grads = torch.autograd.grad(loss, [leaves[n] for n in names])
+    with torch.no_grad():
+        ro, rs = reference(x, c)
+    agree = max(rel_rms(ro, o), rel_rms(rs, ht))
+    assert agree < 1e-10, f"parity.autograd_ref disagrees with fla_cula.reference: {agree:.2e}"
+    return ro, rs, dict(zip([GRAD_LEAVES[n] for n in names], grads, strict=True))
+
+
+@pytest.mark.parametrize("c", _params(GRAD, {"T200-B2-H4", "varlen-GVA-H2-HV8-noA"}))
+def test_grad(c, strict_mode, fla_fns):
+    from parity import rules
+
+    x = make_inputs(c)
+    names = [n for n in GRAD_LEAVES if x[n] is not None]
+    gen = torch.Generator(device=DEV).manual_seed(c.seed + 1)
+    do = torch.randn(x["v"].shape, device=DEV, generator=gen).to(c.dtype)
+    N = len(c.lens) if c.lens is not None else c.B
+    dht = torch.randn(N, c.HV, c.K, c.K, device=DEV, generator=gen) if c.ht else None
+    before = {n: t.detach().clone() for n, t in _tensors(x).items()}
+
+    _forget_last_route()
+    o, ht, g_ours, route = _run_grad(ops_kda.chunk_kda, x, c, do, dht, names, poison=True)
+    torch.cuda.synchronize()
+    assert route == ("chunk_kda", "kernel"), f"the forward under grad did not run the kernel: {route}"
+    _assert_kernel_route()
+    _assert_unchanged(x, before)
+    _assert_outputs(o, ht, x, c)
+    fo, fs, g_fla, _ = _run_grad(fla_fns["chunk_kda"], for_fla(x), c, do, dht, names, poison=False)
+    ro, rs, g_ref = _reference_grads(x, c, do, dht, names)
+
+    _judge_forward(o, ht, ro, rs, c, (fo, fs))
+    errs, bad = {}, []
+    for name, gr in g_ref.items():
+        ours, theirs = g_ours[name], g_fla[name]
+        assert ours.shape == gr.shape, (name, tuple(ours.shape))
+        if not torch.isfinite(ours).all():
+            bad.append(f"{name}: non-finite")
+            continue
+        e_c, e_f = rules.rel_rms(gr, ours), rules.rel_rms(gr, theirs)
+        errs[name] = (e_c, e_f)
+        ok, note = rules.judge(name, e_c, e_f, rules.max_abs(gr, ours), ours.dtype)
+        if not ok:
+            bad.append(note or name)
+    print("  grads (ours / FLA): " + " ".join(f"{n}={a:.2e}/{b:.2e}" for n, (a, b) in errs.items()))
+    assert not bad, f"{'; '.join(bad)} ({errs})"
+
+
+# ---------------------------------------------------------------------------------------------
+# out of scope: strict raises with the kernel's reason; otherwise FLA's result, bit for bit
+
+OUT_OF_SCOPE = {
+    "precomputed-g": (cfg(T=130, gate_in_kernel=False, lb=None, safe_gate=False, seed=100), {}),
+    "softplus-gate": (cfg(T=130, lb=None, safe_gate=False, seed=101), {}),
+    "K64": (cfg(T=130, K=64, seed=102), {}),
+    "fp16": (cfg(T=130, dtype=torch.float16, beta_dtype=torch.float16, seed=103), {}),
+    "chunk32-grad": (cfg(T=130, chunk_size=32, mode="grad", seed=104), {}),
+    "return_intermediate_states": (cfg(T=130, seed=105), {"return_intermediate_states": True}),
+    "disable_recompute-grad": (cfg(T=130, mode="grad", seed=106), {"disable_recompute": True}),
+}
+SMOKE_OOS = {"softplus-gate-strict-raises", "K64-fallback-equals-fla"}
+OOS_PARAMS = [pytest.param(name, strict, id=f"{name}-{mode}" + ("-smoke" if f"{name}-{mode}" in SMOKE_OOS else ""))
+              for name in OUT_OF_SCOPE for strict, mode in ((True, "strict-raises"), (False, "fallback-equals-fla"))]
+
+
+def _oos_call(fn, x, c: Cfg, extra: dict):
+    """Outputs [o, ht(, h)] and, under grad, the gradients of sum(o * do) + sum(ht * dht)."""
+    if c.mode == "grad":
+        names = [n for n in GRAD_LEAVES if x[n] is not None]
+        gen = torch.Generator(device=DEV).manual_seed(c.seed + 1)
+        do = torch.randn(x["v"].shape, device=DEV, generator=gen).to(c.dtype)
+        dht = torch.randn(x["h0"].shape, device=DEV, generator=gen)
+        o, ht, grads, _ = _run_grad(fn, x, c, do, dht, names, poison=False, **extra)
+        return [o, ht], grads
+    with torch.inference_mode():
+        return list(call(fn, x, c, **extra)), {}
+
+
+def _assert_kernel_reason(reason: str):
+    """A real fallback decision of the kernel's plan: not the registry's "no kernel yet", not an import error."""
+    assert reason.strip(), "empty fallback reason"
+    assert routing.NO_KERNEL_YET not in reason and "kernel unavailable" not in reason, \
+        f"the fallback is not the kernel's decision: {reason}"
+
+
+@pytest.mark.parametrize(("name", "strict"), OOS_PARAMS)
+def test_out_of_scope(name, strict, monkeypatch, fla_fns):
+    c, extra = OUT_OF_SCOPE[name]
+    x = make_inputs(c)
+    if strict:
+        monkeypatch.setenv("FLA_CULA_STRICT", "1")
+        with pytest.raises(fla_cula.FallbackError) as ei:
+            _oos_call(ops_kda.chunk_kda, x, c, extra)
+        assert fla_cula.FallbackError is routing.FallbackError
+        msg = str(ei.value)
+        assert "would fall back to FLA:" in msg, msg
+        _assert_kernel_reason(msg.split("would fall back to FLA:", 1)[1].replace("(FLA_CULA_STRICT=1)", ""))
+        return
+    monkeypatch.delenv("FLA_CULA_STRICT", raising=False)
+    _forget_last_route()
+    ours, g_ours = _oos_call(ops_kda.chunk_kda, x, c, extra)
+    route = fla_cula.last_route()
+    assert route is not None and route[0] == "chunk_kda" and route[1].startswith("fallback: "), route
+    reason = route[1][len("fallback: "):]
+    _assert_kernel_reason(reason)
+    st = fla_cula.status()["chunk_kda"]
+    assert st["kernel"] == 0 and st["fallback"] == {reason: 1}, st
+    theirs, g_fla = _oos_call(fla_fns["chunk_kda"], for_fla(x), c, extra)
+    assert len(ours) == len(theirs)
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            assert torch.equal(a, b), f"output {i} differs from FLA's (max |diff| {(a - b).abs().max().item():.3g})"
+    if g_fla:   # FLA's backward may not be bit-reproducible run to run: then within its own spread
+        _, g_fla2 = _oos_call(fla_fns["chunk_kda"], for_fla(x), c, extra)
+        for n, b in g_fla.items():
+            a = g_ours[n]
+            if torch.equal(b, g_fla2[n]):
+                assert torch.equal(a, b), f"{n}: not bit-identical to FLA's"
+            else:
+                assert (a.float() - b.float()).abs().max() <= (b.float() - g_fla2[n].float()).abs().max(), n
