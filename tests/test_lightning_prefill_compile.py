@@ -499,3 +499,16 @@ def test_small_grid_reason():
     q, v = qv(1, 4000, 16)
     assert lp.small_grid_reason(q, v, cu, 0, 64) is None                 # 4 x 16 x 2 = 128
     assert "64 CTAs" in lp.small_grid_reason(*qv(1, 4000, 16, D=64), cu, 0, 64)
+
+
+def test_routed_plan_sends_small_grids_to_fla(monkeypatch):
+    """plan_chunk's per-call size check (what routing runs on every call) carries the small-grid reason."""
+    from fla_cula.ops.chunk_autograd import LightningChunkConfig
+    monkeypatch.setattr(lp.TUNING, "get", lambda name, cfg: (lambda *a: None))
+    cfg = LightningChunkConfig(scale=128 ** -0.5, output_final_state=True, chunk_size=64)
+    small, big = _args(B=1, T=8192, H=8), _args(B=2, T=8192, H=64)
+    r, fwd = lp.plan_chunk(small["q"], small["k"], small["v"], small["g_gamma"], None, None, cfg)
+    assert r is None
+    why = fwd.size_reason(small["q"], small["k"], small["v"], small["g_gamma"], None, None, cfg)
+    assert why is not None and "16 CTAs" in why
+    assert fwd.size_reason(big["q"], big["k"], big["v"], big["g_gamma"], None, None, cfg) is None

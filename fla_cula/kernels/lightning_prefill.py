@@ -1090,6 +1090,7 @@ def plan(q, k, v, g_gamma, scale, initial_state, output_final_state, cu_seqlens)
         launch(fn, dev, q, k, v, g_gamma, h0, ht, o, cu, float(scale))
         return o, ht
 
+    go.split_knob, go.bv = split_knob, bv   # what this plan splits with (plan_chunk's small-grid check)
     return None, go
 
 
@@ -1105,10 +1106,8 @@ def plan_chunk(q, k, v, g_gamma, initial_state, cu_seqlens, cfg):
     def fwd(q, k, v, g_gamma, initial_state, cu_seqlens, cfg, chunk_indices=None):
         return go((q, k, v, g_gamma, cfg.scale, initial_state, cfg.output_final_state, cu_seqlens))
 
-    split_knob = _SPLIT["split"]
-    bv = replace(LightningPrefillConfig(), **TUNING.knobs("lightning_prefill")).bv
     fwd.size_reason = lambda q, k, v, g_gamma, h0, cu, cfg: (check_sizes(q, k, v, h0, cu) or
-                                                             small_grid_reason(q, v, cu, split_knob, bv))
+                                                             small_grid_reason(q, v, cu, go.split_knob, go.bv))
     return None, fwd
 
 
