@@ -1,0 +1,70 @@
+"""Where a KDA prefill chunk's time goes (H200): cycles per chunk of each phase of the fused forward.
+
+    python -m benchmarks.kda_phases                      # B=2 T=8192 H=64, FLA's layer flags, random gates
+    python -m benchmarks.kda_phases --shape 1 8192 8 --regime slow
+
+Runs the kernel's instrumented instantiation once (``fla_cula.kernels.kda_prefill.phase_profile``: thread 0
+of each CTA reads clock64 at every phase's CTA barrier) on the peers benchmark's inputs, and prints mean
+cycles per chunk per phase, their sum, and the time that sum implies at the SM clock, next to the measured
+per-chunk time of the uninstrumented kernel (graph replay / chunks per CTA / waves). A measuring tool for
+docs/kda_sm90.md, not part of the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kda_phases", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", type=int, nargs=3, default=[2, 8192, 64], metavar=("B", "T", "H"))
+    p.add_argument("--regime", choices=("random", "slow"), default="random")
+    p.add_argument("--json", help="write the result here too")
+    a = p.parse_args(argv)
+
+    from benchmarks.harness import _do_bench, capture_graph
+    from benchmarks.peers import make_inputs
+    from benchmarks.registry import Shape
+    from fla_cula.kernels import kda_prefill
+    from fla_cula.ops.chunk_autograd import KDAChunkConfig
+
+    B, T, H = a.shape
+    dev = torch.device("cuda")
+    x = make_inputs(Shape(B, T, H, H), a.regime, dev)
+    cfg = KDAChunkConfig(scale=128 ** -0.5, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False,
+                         safe_gate=True, lower_bound=-5.0, state_v_first=True, chunk_size=64,
+                         disable_recompute=False, return_intermediate_states=False, cp=False, use_graph=False)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["initial_state"],
+            x["cu_seqlens"], x["cu_seqlens_cpu"], cfg)
+    phases = kda_prefill.phase_profile(*args)
+    r, fwd = kda_prefill.plan(*args)
+    if r:
+        raise SystemExit(f"kda_prefill declines these inputs: {r}")
+    graph = capture_graph(lambda: fwd(*args, False))
+    ms = _do_bench(graph.replay)
+    props = torch.cuda.get_device_properties(dev)
+    ctas = B * H * 2                                   # one CTA per (sequence, value head, 64-column V block)
+    waves = -(-ctas // props.multi_processor_count)   # 1 CTA per SM (202 KB shared memory)
+    chunks = -(-T // 64)
+    clock_ghz = props.clock_rate / 1e6 if getattr(props, "clock_rate", 0) else 1.98
+    total = sum(phases.values())
+    print(f"kda_prefill v1 phases, B={B} T={T} H={H} ({a.regime} gates): cycles per chunk per CTA")
+    for name, cyc in phases.items():
+        print(f"  {name:<32} {cyc:10.0f}  {100 * cyc / total:5.1f}%")
+    print(f"  {'sum':<32} {total:10.0f}  = {total / clock_ghz / 1e3:.2f} us at {clock_ghz:.2f} GHz")
+    print(f"graph replay {ms:.3f} ms = {ms * 1e3 / (waves * chunks):.2f} us per chunk per CTA "
+          f"({ctas} CTAs, {waves} waves, {chunks} chunks each)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"shape": [B, T, H], "regime": a.regime, "phases": phases, "graph_ms": ms, "ctas": ctas,
+                       "waves": waves, "chunks": chunks}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
