@@ -14,6 +14,23 @@ namespace {
 
 namespace py = pybind11;
 
+// An optional gate parameter (A_log [HV], dt_bias [HV*128]): fp32 or bf16, `numel` elements, contiguous, on q's
+// device. None leaves *data null.
+void optional_gate_param(py::handle obj, char const* name, int64_t numel, char const* numel_what,
+                         TensorArg const& q, void const** data, bool* fp32) {
+  if (obj.is_none()) return;
+  TensorArg t = tensor_arg(obj, name);
+  expect_dtype(t, {dtype::kFloat32, dtype::kBFloat16});
+  if (t.numel() != numel) {
+    throw py::value_error(std::string(name) + ": expected " + numel_what + " = " + std::to_string(numel) +
+                          " elements, got shape " + t.shape_str());
+  }
+  expect_contiguous(t);
+  expect_same_device(t, q);
+  *data = t.data;
+  *fp32 = t.dtype == dtype::kFloat32;
+}
+
 constexpr int64_t kHeadDim = 128;
 constexpr int64_t kChunk = 64;
 
@@ -89,29 +106,8 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
   char const* state_what = state_v_first ? "(N, HV, V, K)" : "(N, HV, K, V)";
 
   KdaFwdParams p{};
-  if (!A_log_obj.is_none()) {
-    TensorArg A = tensor_arg(A_log_obj, "A_log");
-    expect_dtype(A, {dtype::kFloat32, dtype::kBFloat16});
-    if (A.numel() != HV) {
-      throw py::value_error("A_log: expected HV = " + std::to_string(HV) + " elements, got shape " + A.shape_str());
-    }
-    expect_contiguous(A);
-    expect_same_device(A, q);
-    p.A_log = A.data;
-    p.A_log_fp32 = A.dtype == dtype::kFloat32;
-  }
-  if (!dt_bias_obj.is_none()) {
-    TensorArg d = tensor_arg(dt_bias_obj, "dt_bias");
-    expect_dtype(d, {dtype::kFloat32, dtype::kBFloat16});
-    if (d.numel() != HV * kHeadDim) {
-      throw py::value_error("dt_bias: expected HV * 128 = " + std::to_string(HV * kHeadDim) + " elements, got shape " +
-                            d.shape_str());
-    }
-    expect_contiguous(d);
-    expect_same_device(d, q);
-    p.dt_bias = d.data;
-    p.dt_bias_fp32 = d.dtype == dtype::kFloat32;
-  }
+  optional_gate_param(A_log_obj, "A_log", HV, "HV", q, &p.A_log, &p.A_log_fp32);
+  optional_gate_param(dt_bias_obj, "dt_bias", HV * kHeadDim, "HV * 128", q, &p.dt_bias, &p.dt_bias_fp32);
   if (!h0_obj.is_none()) {
     TensorArg h0 = tensor_arg(h0_obj, "initial_state");
     expect_tensor(h0, {dtype::kFloat32}, state_shape, state_what, &q);
