@@ -61,6 +61,13 @@ PYBIND11_MODULE(_C, m) {
       [] {
         // One entry per kernel family: its name, the substring of its SASS symbols, its specializations.
         std::vector<py::dict> out;
+        auto add_family = [&out](char const* name, char const* symbol, py::list specs) {
+          py::dict f;
+          f["name"] = name;
+          f["symbol"] = symbol;
+          f["specializations"] = specs;
+          out.push_back(f);
+        };
         py::list specs;
         for (auto const& s : fla_cula::kVarlenScheduleSpecialization) {
           py::dict d;
@@ -71,11 +78,7 @@ PYBIND11_MODULE(_C, m) {
           d["symbol"] = "VarlenScheduleKernelILi" + std::to_string(s.threads) + "ELi" + std::to_string(s.items) + "E";
           specs.append(d);
         }
-        py::dict family;
-        family["name"] = "varlen_schedule";
-        family["symbol"] = "varlen_schedule_kernel";
-        family["specializations"] = specs;
-        out.push_back(family);
+        add_family("varlen_schedule", "varlen_schedule_kernel", specs);
         py::list kda_specs;
         for (auto const& s : fla_cula::kKdaFwdSpecialization) {
           py::dict d;
@@ -87,11 +90,7 @@ PYBIND11_MODULE(_C, m) {
           d["symbol"] = "kda_fwd_kernel";
           kda_specs.append(d);
         }
-        py::dict kda;
-        kda["name"] = "kda_prefill";
-        kda["symbol"] = "kda_fwd_kernel";
-        kda["specializations"] = kda_specs;
-        out.push_back(kda);
+        add_family("kda_prefill", "kda_fwd_kernel", kda_specs);
         return out;
       },
       "The C++ kernel families in this build, each with its specializations (CTA size, dynamic shared\n"
