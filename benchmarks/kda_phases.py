@@ -2,6 +2,7 @@
 
     python -m benchmarks.kda_phases                      # B=2 T=8192 H=64, FLA's layer flags, random gates
     python -m benchmarks.kda_phases --shape 1 8192 8 --regime slow
+    python -m benchmarks.kda_phases --block-v 64        # force the V columns per CTA (default: as routed)
 
 Runs the kernel's instrumented instantiation once (``fla_cula.kernels.kda_prefill.phase_profile``: thread 0
 of each CTA reads clock64 at every phase's CTA barrier) on the peers benchmark's inputs, and prints mean
@@ -23,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.kda_phases", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", type=int, nargs=3, default=[2, 8192, 64], metavar=("B", "T", "H"))
     p.add_argument("--regime", choices=("random", "slow"), default="random")
+    p.add_argument("--block-v", type=int, choices=(64, 128), help="V columns per CTA (default: the call's choice)")
     p.add_argument("--json", help="write the result here too")
     a = p.parse_args(argv)
 
@@ -41,19 +43,24 @@ def main(argv: list[str] | None = None) -> int:
                          disable_recompute=False, return_intermediate_states=False, cp=False, use_graph=False)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["initial_state"],
             x["cu_seqlens"], x["cu_seqlens_cpu"], cfg)
-    phases = kda_prefill.phase_profile(*args)
-    r, fwd = kda_prefill.plan(*args)
-    if r:
-        raise SystemExit(f"kda_prefill declines these inputs: {r}")
-    graph = capture_graph(lambda: fwd(*args, False))
-    ms = _do_bench(graph.replay)
     props = torch.cuda.get_device_properties(dev)
-    ctas = B * H * 2                                   # one CTA per (sequence, value head, 64-column V block)
-    waves = -(-ctas // props.multi_processor_count)   # 1 CTA per SM (202 KB shared memory)
+    bv = a.block_v or kda_prefill.block_v_for(B, H, props.multi_processor_count)
+    kda_prefill.set_tuning(block_v=bv)
+    try:
+        phases = kda_prefill.phase_profile(*args)
+        r, fwd = kda_prefill.plan(*args)
+        if r:
+            raise SystemExit(f"kda_prefill declines these inputs: {r}")
+        graph = capture_graph(lambda: fwd(*args, False))
+        ms = _do_bench(graph.replay)
+    finally:
+        kda_prefill.set_tuning()
+    ctas = B * H * (128 // bv)                         # one CTA per (sequence, value head, V block of bv columns)
+    waves = -(-ctas // props.multi_processor_count)   # 1 CTA per SM (202-229 KB shared memory)
     chunks = -(-T // 64)
     clock_ghz = props.clock_rate / 1e6 if getattr(props, "clock_rate", 0) else 1.98
     total = sum(phases.values())
-    print(f"kda_prefill v1 phases, B={B} T={T} H={H} ({a.regime} gates): cycles per chunk per CTA")
+    print(f"kda_prefill v1 phases, B={B} T={T} H={H} ({a.regime} gates), block_v {bv}: cycles per chunk per CTA")
     for name, cyc in phases.items():
         print(f"  {name:<32} {cyc:10.0f}  {100 * cyc / total:5.1f}%")
     print(f"  {'sum':<32} {total:10.0f}  = {total / clock_ghz / 1e3:.2f} us at {clock_ghz:.2f} GHz")
@@ -61,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({ctas} CTAs, {waves} waves, {chunks} chunks each)")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"shape": [B, T, H], "regime": a.regime, "phases": phases, "graph_ms": ms, "ctas": ctas,
-                       "waves": waves, "chunks": chunks}, f, indent=1)
+            json.dump({"shape": [B, T, H], "regime": a.regime, "block_v": bv, "phases": phases, "graph_ms": ms,
+                       "ctas": ctas, "waves": waves, "chunks": chunks}, f, indent=1)
     return 0
 
 

@@ -271,7 +271,8 @@ def registry() -> list[Bench]:
     kda_serve = ([_S(b, 1, 32) for b in (1, 32, 256)] + [_S(b, 4, 32) for b in (32, 128)]
                  + [_S(1, 1, 32, varlen=DECODE_VARLEN, label="mixed decode/MTP")])
     light_prefill = [_S(1, 4096, 64), _S(1, 16384, 64), _S(2, 8192, 64), _S(8, 4096, 64), _S(16, 2048, 64),
-                     _S(1, 8192, 64, varlen=SKEWED_8K, label="skewed")]
+                     _S(1, 8192, 64, varlen=SKEWED_8K, label="skewed"),
+                     _S(1, 8192, 8), _S(1, 16384, 16), _S(1, 2048, 16)]   # tensor-parallel shards (the split)
     light_train = [_S(2, 8192, 64), _S(8, 4096, 64)]
     light_decode = [_S(b, 1, 64) for b in DECODE_B] + [_S(b, 4, 64) for b in (32, 128)]
     rb = recurrent_flops

@@ -28,7 +28,7 @@ void register_kda_fwd(py::module_& m);
 }
 
 // Bumped whenever a function's signature or semantics changes; fla_cula/_ext.py refuses a stale build.
-constexpr int kApiVersion = 4;
+constexpr int kApiVersion = 5;
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fla_cula CUDA C++ kernels (sm_90a), torch-free pybind11 bindings over DLPack";
@@ -87,7 +87,9 @@ PYBIND11_MODULE(_C, m) {
           d["threads"] = s.threads;
           d["block_v"] = s.block_v;
           d["smem_bytes"] = s.smem_bytes;
-          d["symbol"] = "kda_fwd_kernel";
+          // mangled kda_fwd_kernel<GateForm::SigmoidLB, profile, block_v>
+          d["symbol"] = std::string("kda_fwd_kernelILNS0_8GateFormE0ELb") + (s.profile ? "1" : "0") + "ELi" +
+                        std::to_string(s.block_v) + "E";
           kda_specs.append(d);
         }
         add_family("kda_prefill", "kda_fwd_kernel", kda_specs);

@@ -322,10 +322,13 @@ def test_plan_reasons_tensors():
     assert r is not None and "beta" in r, r
 
 
-def test_plan_grad_only_reasons_are_per_call():
+def test_plan_grad_only_reasons_are_per_call(monkeypatch):
     """chunk_size=32 and disable_recompute matter only under grad: the plan serves the call and says so
     per call through its size_reason hook."""
+    from fla_cula.kernels import kda_prefill
     plan = _plan()
+    monkeypatch.setattr(kda_prefill, "MIN_PAIRS", 0)
+    monkeypatch.setattr(kda_prefill, "ROUTE_GRAD", True)
     args = _plan_args(chunk_size=32)
     r, go = plan(*args)
     if r is not None and r.startswith(("no CUDA", "tensors on")):
@@ -334,6 +337,28 @@ def test_plan_grad_only_reasons_are_per_call():
     assert go.size_reason(*args) is None  # no grad here
     x = args[0].clone().requires_grad_(True)
     assert "chunk_size=32" in go.size_reason(x, *args[1:])
+
+
+def test_routing_policy_per_call(monkeypatch):
+    """The op's policy (not the kernel's scope): grad -> FLA while ROUTE_GRAD is off, fewer than MIN_PAIRS
+    (sequence, value head) pairs -> FLA; run() ignores the policy."""
+    from fla_cula.kernels import kda_prefill
+    plan = _plan()
+    args = _plan_args()                                   # N * HV = 1 * 4 pairs
+    r, go = plan(*args)
+    if r is not None and r.startswith(("no CUDA", "tensors on")):
+        pytest.skip(r)
+    assert "4 (sequence, value head) pairs < 128" in go.size_reason(*args)
+    x = args[0].clone().requires_grad_(True)
+    assert "grad -> FLA" in go.size_reason(x, *args[1:])
+    monkeypatch.setattr(kda_prefill, "MIN_PAIRS", 4)
+    assert go.size_reason(*args) is None
+    assert "grad -> FLA" in go.size_reason(x, *args[1:])
+    monkeypatch.setattr(kda_prefill, "ROUTE_GRAD", True)
+    assert go.size_reason(x, *args[1:]) is None
+    cu = torch.zeros(33, dtype=torch.int32, device="meta")   # varlen: 32 sequences x 4 value heads = 128
+    monkeypatch.setattr(kda_prefill, "MIN_PAIRS", 128)
+    assert go.size_reason(*args[:8], cu, None, args[10]) is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,12 +471,14 @@ inline void kda_emulated_mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a
 
 using namespace fla_cula;
 
-extern "C" int emu_smem_bytes() { return kda_sm90::kSmemBytes; }
+extern "C" int emu_smem_bytes(int block_v) {
+  return block_v == 128 ? kda_sm90::kSmemBytes<128> : kda_sm90::kSmemBytes<64>;
+}
 
 extern "C" void emu_run(void const* q, void const* k, void const* v, void const* g, void const* beta, int beta_fp32,
                         void const* A_log, void const* dt_bias, float const* h0, int state_v_first, void* o, float* ht,
                         void* Aqk, void* Akk, int B, int T, int N, int H, int HV, float scale, float lb, int l2,
-                        int bsig, float bscale, void const* cu, int cu64, long long* prof) {
+                        int bsig, float bscale, void const* cu, int cu64, long long* prof, int block_v) {
   KdaFwdParams p{};
   p.q = q; p.k = k; p.qk_tok_stride = int64_t(H) * 128; p.qk_head_stride = 128;
   p.v = v; p.v_tok_stride = int64_t(HV) * 128; p.v_head_stride = 128;
@@ -463,8 +490,8 @@ extern "C" void emu_run(void const* q, void const* k, void const* v, void const*
   p.ht = ht; p.Aqk = Aqk; p.Akk = Akk; p.extras_tok_stride = int64_t(HV) * 64;
   p.B = B; p.T = T; p.N = N; p.H = H; p.HV = HV;
   p.scale = scale; p.lower_bound = lb; p.beta_scale = bscale; p.use_qk_l2norm = l2; p.use_beta_sigmoid = bsig;
-  p.cu_seqlens = cu; p.cu_seqlens_int64 = cu64; p.phase_cycles = prof;
-  int ctas = N * HV * kda_sm90::kVBlocks;
+  p.cu_seqlens = cu; p.cu_seqlens_int64 = cu64; p.phase_cycles = prof; p.block_v = block_v;
+  int ctas = N * HV * (128 / block_v);
   std::barrier<> bar(256);
   g_bar = &bar;
   std::vector<std::barrier<>*> wb;
@@ -474,7 +501,14 @@ extern "C" void emu_run(void const* q, void const* k, void const* v, void const*
     std::memset(smem_raw, 0xff, sizeof(smem_raw));  // poison: NaN-ish bf16/fp32 patterns
     std::vector<std::thread> th;
     for (int t = 0; t < 256; ++t)
-      th.emplace_back([&p, t] { threadIdx.x = t; kda_sm90::kda_fwd_kernel<kda_sm90::GateForm::SigmoidLB, true>(p); });
+      th.emplace_back([&p, t, block_v] {
+        threadIdx.x = t;
+        if (block_v == 128) {
+          kda_sm90::kda_fwd_kernel<kda_sm90::GateForm::SigmoidLB, true, 128>(p);
+        } else {
+          kda_sm90::kda_fwd_kernel<kda_sm90::GateForm::SigmoidLB, true, 64>(p);
+        }
+      });
     for (auto& x : th) x.join();
   }
   for (int w = 0; w < 8; ++w) delete g_wbar[w];
@@ -504,7 +538,7 @@ def emulator(tmp_path_factory):
     return ctypes.CDLL(str(so))
 
 
-def _emulate(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bsig, neg, svf):
+def _emulate(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bsig, neg, svf, block_v):
     import ctypes
 
     def ptr(x):
@@ -517,16 +551,17 @@ def _emulate(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bs
     ht = torch.full((N, HV, 128, 128), float("nan"))
     Aqk = torch.full((B, T, HV, 64), float("nan"), dtype=torch.bfloat16)
     Akk = torch.full((B, T, HV, 64), float("nan"), dtype=torch.bfloat16)
-    prof = torch.full((N * HV * 2, 9), -1, dtype=torch.int64)  # csrc/kda_sm90/kda_fwd.h kKdaFwdPhases
+    prof = torch.full((N * HV * (128 // block_v), 9), -1, dtype=torch.int64)  # csrc/kda_sm90/kda_fwd.h kKdaFwdPhases
     lib.emu_run(ptr(q), ptr(k), ptr(v), ptr(g), ptr(beta), ctypes.c_int(beta.dtype == torch.float32), ptr(A_log),
                 ptr(dt_bias), ptr(h0), ctypes.c_int(svf), ptr(o), ptr(ht), ptr(Aqk), ptr(Akk), B, T, N, H, HV,
                 ctypes.c_float(scale), ctypes.c_float(lb), int(l2), int(bsig), ctypes.c_float(2.0 if neg else 1.0),
-                ptr(cu), int(cu is not None and cu.dtype == torch.int64), ptr(prof))
+                ptr(cu), int(cu is not None and cu.dtype == torch.int64), ptr(prof), block_v)
     return o, ht, Aqk, Akk, prof
 
 
+@pytest.mark.parametrize("block_v", [64, 128])
 @pytest.mark.parametrize("case", ["fixed-tail-svf", "varlen-gva-empty"])
-def test_kernel_source_emulated_on_cpu_matches_model(emulator, case):
+def test_kernel_source_emulated_on_cpu_matches_model(emulator, case, block_v):
     if case == "fixed-tail-svf":
         q, k, v, g, beta, A_log, dt_bias, h0 = _inputs(1, 20, 1, 1, "fast", seed=1)
         h0 = h0.transpose(-1, -2).contiguous()
@@ -537,10 +572,10 @@ def test_kernel_source_emulated_on_cpu_matches_model(emulator, case):
         cu = torch.tensor([0, 0, 66, 70], dtype=torch.int64)
         h0 = torch.randn(3, 2, 128, 128, generator=torch.Generator().manual_seed(4)) * 0.5
         kw = dict(scale=0.1, lb=-2.0, l2=True, bsig=True, neg=True, svf=False)
-    o, ht, Aqk, Akk, prof = _emulate(emulator, q, k, v, g, beta, A_log, dt_bias, h0, cu, **kw)
+    o, ht, Aqk, Akk, prof = _emulate(emulator, q, k, v, g, beta, A_log, dt_bias, h0, cu, block_v=block_v, **kw)
     lens = [20] if cu is None else (cu[1:] - cu[:-1]).tolist()
     for cta in range(prof.shape[0]):  # phase_cycles: every phase timed in CTAs with chunks, zeros without
-        busy = lens[cta // (2 * v.shape[2])] > 0
+        busy = lens[cta // ((128 // block_v) * v.shape[2])] > 0
         assert ((prof[cta] > 0) if busy else (prof[cta] == 0)).all(), (cta, prof[cta])
     om, htm, Aqkm, Akkm = kda_chunk_model(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=kw["lb"], scale=kw["scale"], initial_state=h0,
@@ -554,7 +589,7 @@ def test_kernel_source_emulated_on_cpu_matches_model(emulator, case):
         assert not x.isnan().any()
     errs = dict(o_model=rel_rms(om, o.float()), ht_model=rel_rms(htm, ht), aqk=rel_rms(Aqkm, Aqk.float()),
                 akk=rel_rms(Akkm, Akk.float()), o_ref=rel_rms(o_ref, o.float()), ht_ref=rel_rms(ht_ref, ht))
-    print(f"\n{case}: " + "  ".join(f"{k} {v:.1e}" for k, v in errs.items()))
+    print(f"\n{case} block_v {block_v}: " + "  ".join(f"{k} {v:.1e}" for k, v in errs.items()))
     # the model and the kernel differ only by fp32 evaluation order / intrinsics (a few bf16 flips)
     assert errs["o_model"] < 2e-3 and errs["ht_model"] < 1e-3 and errs["aqk"] < 2e-3 and errs["akk"] < 1e-3, errs
     assert errs["o_ref"] < 0.005 and errs["ht_ref"] < 0.005, errs

@@ -383,9 +383,9 @@ def test_split_tuning_knob(monkeypatch):
         assert r is None and seen[-1].mma == "wgmma"       # the stub records the config before knobs (default)
     finally:
         lp.set_tuning()
-    assert lp._SPLIT["split"] == lp.SPLIT_DEFAULT == 0      # off by default (see lightning_prefill.SPLIT_DEFAULT)
-    lp.set_tuning(split="auto")
-    assert lp._SPLIT["split"] is None                        # the heuristic
+    assert lp.SPLIT_DEFAULT == "auto" and lp._SPLIT["split"] is None   # the heuristic by default
+    lp.set_tuning(split=0)
+    assert lp._SPLIT["split"] == 0                           # off
     lp.set_tuning()
     c = lp.LightningPrefillConfig(has_o=False, mma="wgmma", kv_stages=2)
     assert c.mma == "sync"                                # the state pass always runs the mma.sync body
@@ -506,9 +506,17 @@ def test_routed_plan_sends_small_grids_to_fla(monkeypatch):
     from fla_cula.ops.chunk_autograd import LightningChunkConfig
     monkeypatch.setattr(lp.TUNING, "get", lambda name, cfg: (lambda *a: None))
     cfg = LightningChunkConfig(scale=128 ** -0.5, output_final_state=True, chunk_size=64)
-    small, big = _args(B=1, T=8192, H=8), _args(B=2, T=8192, H=64)
-    r, fwd = lp.plan_chunk(small["q"], small["k"], small["v"], small["g_gamma"], None, None, cfg)
-    assert r is None
-    why = fwd.size_reason(small["q"], small["k"], small["v"], small["g_gamma"], None, None, cfg)
-    assert why is not None and "16 CTAs" in why
-    assert fwd.size_reason(big["q"], big["k"], big["v"], big["g_gamma"], None, None, cfg) is None
+    small, short, big = _args(B=1, T=8192, H=8), _args(B=1, T=512, H=8), _args(B=2, T=8192, H=64)
+
+    def reason(x):
+        r, fwd = lp.plan_chunk(x["q"], x["k"], x["v"], x["g_gamma"], None, None, cfg)
+        assert r is None
+        return fwd.size_reason(x["q"], x["k"], x["v"], x["g_gamma"], None, None, cfg)
+    assert reason(small) is None                      # the default heuristic splits it (16 CTAs, 128 chunks)
+    assert "16 CTAs" in reason(short)                 # 8 chunks: too short to split
+    assert reason(big) is None
+    try:
+        lp.set_tuning(split=0)
+        assert "16 CTAs" in reason(small)             # split off: FLA
+    finally:
+        lp.set_tuning()

@@ -1,6 +1,7 @@
 // Launcher of the fused KDA prefill forward v1: size checks, device, shared-memory opt-in, launch.
-// Instantiations: the bounded sigmoid gate, without and with the phase_cycles instrumentation; the
-// softplus and precomputed gate forms of v2 are further GateForm values, one .cu each when they come.
+// Instantiations: the bounded sigmoid gate, 64 or 128 V columns per CTA, without and with the phase_cycles
+// instrumentation; the softplus and precomputed gate forms of v2 are further GateForm values, one .cu each
+// when they come.
 #include "kda_sm90/kda_fwd.h"
 
 #include <cuda_runtime_api.h>
@@ -17,26 +18,28 @@ namespace {
 
 constexpr int kMaxDevices = 64;
 
-template <kda_sm90::GateForm kGate, bool kProfile>
+template <kda_sm90::GateForm kGate, bool kProfile, int kBV>
 void launch(KdaFwdParams const& a) {
-  auto* kernel = kda_sm90::kda_fwd_kernel<kGate, kProfile>;
+  auto* kernel = kda_sm90::kda_fwd_kernel<kGate, kProfile, kBV>;
+  constexpr int smem = kda_sm90::kSmemBytes<kBV>;
   static std::atomic<bool> opted_in[kMaxDevices];
   FLA_CULA_REQUIRE(a.device >= 0 && a.device < kMaxDevices, "kda_fwd: device ordinal out of range");
   if (!opted_in[a.device].load(std::memory_order_acquire)) {
-    FLA_CULA_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kda_sm90::kSmemBytes));
+    FLA_CULA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     opted_in[a.device].store(true, std::memory_order_release);
   }
-  int64_t const ctas = int64_t(a.N) * a.HV * kda_sm90::kVBlocks;
-  kernel<<<dim3(unsigned(ctas)), kda_sm90::kThreads, kda_sm90::kSmemBytes, static_cast<cudaStream_t>(a.stream)>>>(a);
+  int64_t const ctas = int64_t(a.N) * a.HV * (128 / kBV);
+  kernel<<<dim3(unsigned(ctas)), kda_sm90::kThreads, smem, static_cast<cudaStream_t>(a.stream)>>>(a);
   FLA_CULA_CHECK_LAUNCH("kda_fwd_kernel");
 }
 
 }  // namespace
 
 KdaFwdSpecialization const kKdaFwdSpecialization[kKdaFwdSpecializations] = {
-    {"sigmoid_lb", false, kda_sm90::kThreads, kda_sm90::kBV, kda_sm90::kSmemBytes},
-    {"sigmoid_lb", true, kda_sm90::kThreads, kda_sm90::kBV, kda_sm90::kSmemBytes},
+    {"sigmoid_lb", false, kda_sm90::kThreads, 64, kda_sm90::kSmemBytes<64>},
+    {"sigmoid_lb", true, kda_sm90::kThreads, 64, kda_sm90::kSmemBytes<64>},
+    {"sigmoid_lb", false, kda_sm90::kThreads, 128, kda_sm90::kSmemBytes<128>},
+    {"sigmoid_lb", true, kda_sm90::kThreads, 128, kda_sm90::kSmemBytes<128>},
 };
 
 void run_kda_fwd(KdaFwdParams const& a) {
@@ -46,14 +49,21 @@ void run_kda_fwd(KdaFwdParams const& a) {
   FLA_CULA_REQUIRE(a.lower_bound >= -5.f && a.lower_bound < 0.f,
                    "kda_fwd: expected -5 <= lower_bound < 0 (the overflow-free bound), got " +
                        std::to_string(a.lower_bound));
-  int64_t const ctas = int64_t(a.N) * a.HV * kda_sm90::kVBlocks;
+  FLA_CULA_REQUIRE(a.block_v == 64 || a.block_v == 128,
+                   "kda_fwd: expected block_v 64 or 128, got " + std::to_string(a.block_v));
+  int64_t const ctas = int64_t(a.N) * a.HV * (128 / a.block_v);
   FLA_CULA_REQUIRE(ctas < (int64_t(1) << 31), "kda_fwd: too many (sequence, head) pairs: " + std::to_string(ctas));
   FLA_CULA_REQUIRE(a.q && a.k && a.v && a.g && a.beta && a.o, "kda_fwd: null device pointer");
   if (ctas == 0) return;
   DeviceGuard guard(a.device);
   require_compute_capability(a.device, 9, 0, "kda_fwd");
-  FLA_CULA_BOOL_SWITCH(a.phase_cycles != nullptr, kProfile,
-                       [&] { launch<kda_sm90::GateForm::SigmoidLB, kProfile>(a); });
+  FLA_CULA_BOOL_SWITCH(a.phase_cycles != nullptr, kProfile, [&] {
+    if (a.block_v == 128) {
+      launch<kda_sm90::GateForm::SigmoidLB, kProfile, 128>(a);
+    } else {
+      launch<kda_sm90::GateForm::SigmoidLB, kProfile, 64>(a);
+    }
+  });
 }
 
 }  // namespace fla_cula

@@ -2,8 +2,8 @@
 // CUDA headers: the binding (kda_fwd_api.cpp) compiles with the host compiler alone.
 //
 // v1 ("v1 as built" in docs/kda_sm90.md): one CTA of 256 threads per (sequence n, value head hv,
-// 64-column V block), chunks of 64 tokens in four 16-token blocks, the state S (128 x 64 fp32) in
-// mma.sync accumulators across chunks. Per chunk: l2norm, beta sigmoid and the bounded sigmoid gate
+// V block of block_v = 64 or 128 columns), chunks of 64 tokens in four 16-token blocks, the state S
+// (128 x block_v fp32) in mma.sync accumulators across chunks. Per chunk: l2norm, beta sigmoid and the bounded sigmoid gate
 // a = lb * sigmoid(exp(A_log) * (g + dt_bias)) fused; integer-anchored gate factors (1.3); Aqk and L on
 // mma.sync m16n8k16 bf16; (I + L)^-1 in fp32 (blocked forward substitution, 1.4); the WY products
 // V' = U - W S, O = Qg S + Aqk V', S = diag(gamma) S + Kd^T V' on mma.sync (1.5).
@@ -39,7 +39,7 @@ struct KdaFwdParams {
   void* Aqk;            // bf16 [B,T,HV,64] or null (grad extras; written by the V block 0 CTAs)
   void* Akk;            // bf16 [B,T,HV,64] or null
   int64_t extras_tok_stride;  // HV * 64
-  long long* phase_cycles;    // [N*HV*2, kKdaFwdPhases] int64 or null: per CTA, clock64 cycles of each phase
+  long long* phase_cycles;    // [N*HV*128/block_v, kKdaFwdPhases] int64 or null: per CTA, clock64 cycles of each phase
                               // summed over its chunks (thread 0's view, between CTA barriers)
   // problem
   int B, T, N, H, HV;
@@ -47,6 +47,7 @@ struct KdaFwdParams {
   bool use_qk_l2norm, use_beta_sigmoid;
   void const* cu_seqlens;  // [N+1] int32 or int64, or null (fixed length)
   bool cu_seqlens_int64;
+  int block_v;  // V columns per CTA: 64 (N*HV*2 CTAs) or 128 (N*HV CTAs, the K-side prep done once per pair)
   int device;   // CUDA ordinal of every tensor
   void* stream; // cudaStream_t of the caller on that device
 };
@@ -56,7 +57,7 @@ struct KdaFwdParams {
 void run_kda_fwd(KdaFwdParams const& params);
 
 // The compiled specializations, for fla_cula info / the SASS check: the symbol contains
-// "kda_fwd_kernel" (demangled: kda_fwd_kernel<(GateForm)0, false>; profile = true is taken only when
+// "kda_fwd_kernel" (demangled: kda_fwd_kernel<(GateForm)0, false, 64>; profile = true is taken only when
 // phase_cycles is given).
 struct KdaFwdSpecialization {
   char const* gate;  // gate form
@@ -65,9 +66,10 @@ struct KdaFwdSpecialization {
   int block_v;       // V columns per CTA
   int smem_bytes;    // dynamic shared memory per CTA
 };
-constexpr int kKdaFwdSpecializations = 2;
+constexpr int kKdaFwdSpecializations = 4;
 
-// Phases of a chunk timed by phase_cycles, in order: gate, scan+rstd, anchored factors, Aqk+L,
+// Phases of a chunk timed by phase_cycles, in order: gate + block scan, scan offsets + anchors + rstd,
+// anchored factors (+ block scalars), Aqk+L,
 // state-side factors, inverse (+ X diag b and the grad extras), -W, V' and Qg S, Aqk V' + state update
 // (+ waiting for the next chunk's loads).
 constexpr int kKdaFwdPhases = 9;

@@ -60,7 +60,7 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
                  py::handle A_log_obj, py::handle dt_bias_obj, py::handle h0_obj, py::handle cu_obj, py::handle o_obj,
                  py::handle ht_obj, py::handle Aqk_obj, py::handle Akk_obj, double scale, double lower_bound,
                  bool use_qk_l2norm, bool use_beta_sigmoid, double beta_scale, bool state_v_first,
-                 py::handle phase_cycles_obj) {
+                 int block_v, py::handle phase_cycles_obj) {
   TensorArg q = tensor_arg(q_obj, "q");
   expect_dtype(q, {dtype::kBFloat16});
   expect_ndim(q, 4);
@@ -131,9 +131,14 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
     p.Aqk = Aqk.data;
     p.Akk = Akk.data;
   }
+  if (block_v != 64 && block_v != 128) {
+    throw py::value_error("block_v: expected 64 or 128, got " + std::to_string(block_v));
+  }
+  p.block_v = block_v;
   if (!phase_cycles_obj.is_none()) {
     TensorArg pc = tensor_arg(phase_cycles_obj, "phase_cycles");
-    expect_tensor(pc, {dtype::kInt64}, {N * HV * (kHeadDim / 64), kKdaFwdPhases}, "(N * HV * 2, phases)", &q);
+    expect_tensor(pc, {dtype::kInt64}, {N * HV * (kHeadDim / block_v), kKdaFwdPhases},
+                  "(N * HV * 128 / block_v, phases)", &q);
     p.phase_cycles = pc.ptr<long long>();
   }
   if (!(lower_bound >= -5.0 && lower_bound < 0.0)) {
@@ -189,20 +194,22 @@ void register_kda_fwd(py::module_& m) {
         py::arg("A_log"), py::arg("dt_bias"), py::arg("initial_state"), py::arg("cu_seqlens"), py::arg("o"),
         py::arg("final_state"), py::arg("Aqk"), py::arg("Akk"), py::arg("scale"), py::arg("lower_bound"),
         py::arg("use_qk_l2norm"), py::arg("use_beta_sigmoid"), py::arg("beta_scale"), py::arg("state_v_first"),
-        py::arg("phase_cycles") = py::none(),
+        py::arg("block_v") = 64, py::arg("phase_cycles") = py::none(),
         "Enqueue the fused KDA prefill forward v1 (csrc/kda_sm90/kda_fwd.h) on the current stream of q's device:\n"
         "bf16 q, k [B,T,H,128], v, raw gate g [B,T,HV,128], raw beta [B,T,HV] (bf16/fp32); gate\n"
         "a = lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) (A_log [HV], dt_bias [HV*128] or None);\n"
         "initial_state / final_state fp32 [N,HV,128,128] (V-first with state_v_first) or None; writes o\n"
         "(bf16 [B,T,HV,128]) and, when given, Aqk/Akk (bf16 [B,T,HV,64], FLA's layout). All contiguous.\n"
-        "phase_cycles (int64 [N*HV*2, KDA_FWD_PHASES] or None): per CTA, clock64 cycles of each phase summed\n"
-        "over its chunks (KDA_FWD_PHASE_NAMES).\n"
+        "block_v (64 or 128): V columns per CTA (N*HV*128/block_v CTAs; 128 computes the K-side prep once per\n"
+        "(sequence, value head), 64 twice but fills more SMs).\n"
+        "phase_cycles (int64 [N*HV*128/block_v, KDA_FWD_PHASES] or None): per CTA, clock64 cycles of each phase\n"
+        "summed over its chunks (KDA_FWD_PHASE_NAMES).\n"
         "TypeError / ValueError for bad arguments (before any CUDA call), RuntimeError for CUDA errors.\n"
         "Does not synchronize.");
   m.attr("KDA_FWD_PHASES") = kKdaFwdPhases;
-  m.attr("KDA_FWD_PHASE_NAMES") = py::make_tuple("gate", "scan+rstd", "anchored factors", "Aqk+L",
-                                                 "state factors", "inverse", "-W", "V' + Qg S",
-                                                 "Aqk V' + state (+ load wait)");
+  m.attr("KDA_FWD_PHASE_NAMES") = py::make_tuple("gate + block scan", "scan offsets + anchors + rstd",
+                                                 "anchored factors", "Aqk+L", "state factors", "inverse", "-W",
+                                                 "V' + Qg S", "Aqk V' + state (+ load wait)");
 }
 
 }  // namespace fla_cula

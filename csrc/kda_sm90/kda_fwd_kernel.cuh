@@ -1,18 +1,19 @@
 // Device code of the fused KDA prefill forward, v1 (see kda_fwd.h and docs/kda_sm90.md "v1 as built").
 //
-// One CTA (8 warps) per (sequence n, value head hv, V block vb of 64 columns): every V column of S is an
-// independent recurrence under the same K-side operators, so the two V blocks of a pair are exact
-// halves (the K-side prep is recomputed by both). Per chunk of 64 tokens (rows >= L of a tail: q = k =
+// One CTA (8 warps) per (sequence n, value head hv, V block vb of kBV = 64 or 128 columns): every V column
+// of S is an independent recurrence under the same K-side operators, so V blocks of a pair are exact parts
+// (kBV = 64: two CTAs per pair, the K-side prep recomputed by both, twice the CTAs for small grids;
+// kBV = 128: the prep once per pair and the whole 128 x 128 state in one CTA). Per chunk of 64 tokens (rows >= L of a tail: q = k =
 // v = 0, a = 0, beta = 0, never stored), in phases separated by __syncthreads:
 //   1 load     q, k, g rows (raw, bf16) and v^T of the V block to smem, beta (sigmoid) per row: for chunk
 //              c + 1 issued during chunk c (cp.async for q, k after phase 5 and g after phase 7 into the
 //              buffers those phases free; v and beta through registers), waited for at the chunk's end
-//   2 prep     a: gate a = lb sigmoid(exp(A_log) (g + dt_bias)) in log2 units per element (all warps);
-//              b: warps 0-3: G = cumsum per channel, anchors A_r = ceil(G_16r), B_s = floor(G_16(s+1))
-//              (B_3 = floor(G_63)), gamma = exp2(G_63); warps 4-7: rstd of q and k rows
+//   2 prep     a: gate a = lb sigmoid(exp(A_log) (g + dt_bias)) in log2 units, thread = (channel pair, 16-row
+//              block), scanned in registers; b: G = cumsum per channel (block offsets through smem), anchors
+//              A_r = ceil(G_16r), B_s = floor(G_16(s+1)) (B_3 = floor(G_63)), gamma = exp2(G_63); rstd of q, k rows
 //   3 factors  Qe = bf16(scale q^ exp2(G - A_r)), Ke = bf16(k^ exp2(G - A_r)), Kf = bf16(k^ exp2(B_r - G))
 //   4 intra    per 16x16 block (r, s <= r): Aqk = (Qe_r 2^(A_r - B_s)) Kf_s^T, L = b (Ke_r 2^(A_r - B_s)) Kf_s^T
-//              (the power of two is per channel, applied exactly to the bf16 row operand)
+//              (the power of two is per channel, tabulated in phase 3, applied exactly to the bf16 row operand)
 //   5 state-side factors Qg = bf16(scale q^ exp2 G), Kg^T, Kd^T = bf16(k^ exp2(G_63 - G))^T;
 //              inverse X = (I + L)^-1: diagonal 16-blocks by forward substitution, then block rows
 //   6 -W = -(X diag b) Kg
@@ -35,16 +36,19 @@ using bf16 = __nv_bfloat16;
 constexpr int kC = 64;          // chunk
 constexpr int kBC = 16;         // sub-block
 constexpr int kK = 128;         // key head dim
-constexpr int kBV = 64;         // V columns per CTA
-constexpr int kVBlocks = 128 / kBV;
 constexpr int kThreads = 256;
 constexpr int kLdK = kK + 8;    // bf16 rows of 128 channels (+16 B: conflict-free fragment loads)
 constexpr int kLdC = kC + 8;    // bf16 rows of 64 tokens / 64 columns
 constexpr int kLdF = kC + 4;    // fp32 64 x 64 tiles
+constexpr int kLdG = kK + 4;    // fp32 rows of 128 channels (+16 B: token-pair x channel-pair reads hit 32 banks)
+constexpr int kPairs = 10;      // (r, s) sub-block pairs with s <= r, numbered r (r + 1) / 2 + s
 constexpr float kLog2e = 1.4426950408889634f;
 
 enum class GateForm { SigmoidLB };
 
+// kBV: V columns per CTA (64: two CTAs per (sequence, value head), each recomputing the K-side prep;
+// 128: one CTA does the prep once and carries the whole state)
+template <int kBV>
 struct SharedStorage {
   bf16 sT[kBV][kLdK];                        // bf16(S)^T [v column][k channel], B operand of W S and Qg S
   union {
@@ -52,10 +56,10 @@ struct SharedStorage {
       bf16 q[kC][kLdK];                      // raw q rows (phases 1-5)
       bf16 k[kC][kLdK];
     } raw;
-    float X[kC][kLdF];                       // (I + L)^-1 (phase 5-): raw q/k dead after the phase-5 factors
+    alignas(16) float X[kC][kLdF];           // (I + L)^-1 (phase 5-): raw q/k dead after the phase-5 factors
   } u1;
   union {
-    float G[kC][kK];                         // gate cumsum (phases 2-5)
+    alignas(16) float G[kC][kLdG];           // gate cumsum (phases 2-5)
     bf16 Wn[kC][kLdK];                       // -W (phase 6-7): G dead after phase 5
   } u2;
   bf16 vT[kBV][kLdC];                        // v^T of the V block [column][token]
@@ -72,23 +76,29 @@ struct SharedStorage {
     bf16 KdT[kK][kLdC];                      // (5-8)
   } t3;
   bf16 aqk[kC][kLdC];                        // Aqk, masked j <= i (4-8)
-  float L[kC][kLdF];                         // beta_i k_i . k_j decayed, strict lower (4-5)
-  float tmp[3][kBC][kBC + 1];                // inverse block-row partial sums
+  union {
+    float L[kC][kLdF];                       // beta_i k_i . k_j decayed, strict lower (4-5)
+    bf16 vpT[kBV][kLdC];                     // bf16(V')^T [column][token] (7-8): L dead after phase 5
+  } u4;
+  alignas(16) float tmp[3][kBC][kBC];         // inverse block-row partial sums (rows of 4 x float4)
   bf16 akkb[kC][kLdC];                       // X diag(beta) (5-7)
-  bf16 vpT[kBV][kLdC];                       // bf16(V')^T [column][token] (7-8)
   float beta[kC];
   float rstd_q[kC];
   float rstd_k[kC];
   float gamma[kK];
   long long prof[kKdaFwdPhases];             // phase_cycles accumulators (thread 0)
+  long long prof_mark;                       // clock64 at the last phase boundary (thread 0)
   float dtb[kK];                             // dt_bias of this value head (0 when absent)
   float expA;                                // exp(A_log[hv]) (1 when absent)
   int anc_a[4][kK];                          // A_r = ceil(G_16r)
   int anc_b[4][kK];                          // B_s = floor(G_16(s+1)), B_3 = floor(G_63)
+  alignas(16) float blk[4][kK];              // per-channel gate sums of each 16-row block (cumsum offsets)
+  alignas(16) float pw[kPairs][kK];          // 2^(A_r - B_s) per channel for the pair (r, s <= r) of phase 4
 };
 
-constexpr int kSmemBytes = int(sizeof(SharedStorage));
-static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 opt-in maximum");
+template <int kBV>
+constexpr int kSmemBytes = int(sizeof(SharedStorage<kBV>));
+static_assert(kSmemBytes<128> <= 227 * 1024, "shared memory over the SM90 opt-in maximum");
 
 __device__ __forceinline__ uint32_t ld32(bf16 const* p) { return *reinterpret_cast<uint32_t const*>(p); }
 
@@ -144,7 +154,29 @@ __device__ __forceinline__ uint32_t scale_pair(uint32_t x, float s0, float s1) {
   return *reinterpret_cast<uint32_t*>(&r);
 }
 
-__device__ __forceinline__ float sigmoidf_(float z) { return __frcp_rn(1.f + exp2f(-z * kLog2e)); }
+// 2^x and 1/x on the MUFU unit (ex2/rcp.approx.ftz, <= 2 ulp). Subnormal results flush to 0: every 2^x
+// formed here scales a product that is then below 2^-126 (docs/kda_sm90.md 1.3).
+__device__ __forceinline__ float ex2(float x) {
+#ifdef FLA_CULA_KDA_HOST_EMULATION
+  return exp2f(x);
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
+__device__ __forceinline__ float rcp(float x) {
+#ifdef FLA_CULA_KDA_HOST_EMULATION
+  return 1.f / x;
+#else
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
+__device__ __forceinline__ float sigmoidf_(float z) { return rcp(1.f + ex2(-z * kLog2e)); }
 
 __device__ __forceinline__ float load_param(void const* p, bool fp32, int64_t i) {
   return fp32 ? static_cast<float const*>(p)[i] : __bfloat162float(static_cast<bf16 const*>(p)[i]);
@@ -176,10 +208,14 @@ __device__ __forceinline__ void cp_async_wait_all() {
 
 // kProfile: the phase_cycles instrumentation is compiled in (a separate instantiation, so the timed-off
 // kernel keeps its registers and schedule).
-template <GateForm kGate, bool kProfile>
+template <GateForm kGate, bool kProfile, int kBV>
 __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const p) {
+  static_assert(kBV == 64 || kBV == 128, "V columns per CTA: 64 or 128");
+  constexpr int kVBlocks = kK / kBV;
+  constexpr int kNS = kBV / 8;   // n-tiles of 8 columns of the state rows a warp owns
+  constexpr int kNO = kBV / 16;  // n-tiles of the V' / O tile a warp owns (half of the columns)
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  SharedStorage& sm = *reinterpret_cast<SharedStorage*>(smem_raw);
+  SharedStorage<kBV>& sm = *reinterpret_cast<SharedStorage<kBV>*>(smem_raw);
 
   int const tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   int const g8 = lane >> 2, t4 = lane & 3;
@@ -213,16 +249,21 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
   bool const extras = p.Aqk != nullptr && vb == 0;
 
   // optional per-phase cycle counts (Params::phase_cycles): thread 0 reads clock64 after each phase's barrier
+  // (the last mark lives in shared memory: no register stays live across the phases for it)
   bool const prof = kProfile && p.phase_cycles != nullptr;
-  long long t_mark = 0;
   auto mark = [&](int phase) {
     if (prof && tid == 0) {
       long long const t = clock64();
-      if (phase >= 0) sm.prof[phase] += t - t_mark;
-      t_mark = t;
+      if (phase >= 0) sm.prof[phase] += t - sm.prof_mark;
+      sm.prof_mark = t;
     }
   };
   if (tid < kKdaFwdPhases) sm.prof[tid] = 0;
+  // aqk above the diagonal blocks (s > r) is zero in every chunk: written once (phase 4 skips those blocks)
+  for (int e = tid; e < kC * kC; e += kThreads) {
+    int const i = e >> 6, j = e & (kC - 1);
+    if ((j >> 4) > (i >> 4)) sm.aqk[i][j] = __float2bfloat16_rn(0.f);
+  }
 
   // per-channel gate constants (read by phase 2a; first written here, before the first barrier)
   if (tid < kK) {
@@ -230,8 +271,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
     if (tid == 0) sm.expA = p.A_log != nullptr ? expf(load_param(p.A_log, p.A_log_fp32, hv)) : 1.f;
   }
 
-  // ---- state: warp w owns rows d = 16 w .. 16 w + 15 of S (K x 64), as an m16n8 accumulator tile x 8
-  float S[8][4];
+  // ---- state: warp w owns rows d = 16 w .. 16 w + 15 of S (K x kBV), as kNS m16n8 accumulator tiles
+  float S[kNS][4];
   int64_t const state_base = (int64_t(n) * p.HV + hv) * kK * 128;
   auto state_index = [&](int d, int c) -> int64_t {
     return state_base + (p.state_v_first ? int64_t(col0 + c) * kK + d : int64_t(d) * 128 + col0 + c);
@@ -239,7 +280,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
   {
     int const d0 = warp * 16 + g8;
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
+    for (int nt = 0; nt < kNS; ++nt) {
       int const c = nt * 8 + 2 * t4;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -287,7 +328,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
     int const rw = chunk_rows(c);
 #pragma unroll
     for (int u = 0; u < kVLoads; ++u) {
-      int const idx = tid + u * kThreads, i = idx >> 3, c8 = (idx & 7) * 8;
+      int const idx = tid + u * kThreads, i = idx / (kBV / 8), c8 = (idx % (kBV / 8)) * 8;
       vv[u] = make_uint4(0, 0, 0, 0);
       if (i < rw) vv[u] = *reinterpret_cast<uint4 const*>(vg + (t0 + i) * p.v_tok_stride + c8);
     }
@@ -300,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
   auto store_vb = [&]() {
 #pragma unroll
     for (int u = 0; u < kVLoads; ++u) {
-      int const idx = tid + u * kThreads, i = idx >> 3, c8 = (idx & 7) * 8;
+      int const idx = tid + u * kThreads, i = idx / (kBV / 8), c8 = (idx % (kBV / 8)) * 8;
       bf16 const* e = reinterpret_cast<bf16 const*>(&vv[u]);
 #pragma unroll
       for (int j = 0; j < 8; ++j) sm.vT[c8 + j][i] = e[j];
@@ -322,70 +363,101 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
     int const rows = chunk_rows(chunk);
     bool const prefetch = chunk + 1 < nchunks;
 
-    // ---- 2a: gate a (log2 units) per element, all threads; rows >= `rows` get a = 0
-    for (int idx = tid; idx < kC * (kK / 2); idx += kThreads) {
-      int const i = idx >> 6, d = (idx & 63) * 2;
-      float2 a = make_float2(0.f, 0.f);
-      if (i < rows) {
-        float2 const x = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u3.graw[i][d]));
-        a.x = p.lower_bound * kLog2e * sigmoidf_(sm.expA * (x.x + sm.dtb[d]));
-        a.y = p.lower_bound * kLog2e * sigmoidf_(sm.expA * (x.y + sm.dtb[d + 1]));
+    // ---- 2: gate a = lb sigmoid(exp(A_log) (g + dt_bias)) in log2 units and its chunk cumsum G. Thread =
+    //      (channel pair d, d + 1; row block r = tid / 64): its 16 x 2 gates in registers (independent: the
+    //      sigmoids pipeline), scanned locally; the block totals go through smem and each block adds the sum of
+    //      the blocks before it (left to right, so G_{16r - 1} and the offset of block r are the same fp32 sum
+    //      and G stays non-increasing across blocks). Rows >= `rows` get a = 0 (G frozen past the end).
+    float2 Gr[kBC];
+    {
+      int const r = tid >> 6, d = 2 * (tid & 63);
+      float const lbl = p.lower_bound * kLog2e, ea = sm.expA, b0 = sm.dtb[d], b1 = sm.dtb[d + 1];
+      float2 acc = make_float2(0.f, 0.f);
+#pragma unroll
+      for (int u = 0; u < kBC; ++u) {
+        int const i = kBC * r + u;
+        float2 a = make_float2(0.f, 0.f);
+        if (i < rows) {
+          float2 const x = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u3.graw[i][d]));
+          a.x = lbl * sigmoidf_(ea * (x.x + b0));
+          a.y = lbl * sigmoidf_(ea * (x.y + b1));
+        }
+        acc.x += a.x;
+        acc.y += a.y;
+        Gr[u] = acc;
       }
-      *reinterpret_cast<float2*>(&sm.u2.G[i][d]) = a;
+      *reinterpret_cast<float2*>(&sm.blk[r][d]) = acc;
     }
     __syncthreads();
     mark(0);
 
-    // ---- 2b: cumsum G in place and anchors (warps 0-3, channel d = tid) | rstd (warps 4-7)
-    if (tid < kK) {
-      int const d = tid;
-      float acc = 0.f, nr[5];
-#pragma unroll
-      for (int i = 0; i < kC; ++i) {
-        acc += sm.u2.G[i][d];
-        sm.u2.G[i][d] = acc;
-        if ((i & 15) == 0) nr[i >> 4] = acc;
+    // ---- 2b: G = offset + local scan, anchors A_r = ceil(G_16r), B_s = floor(G_16(s+1)) (B_3 = floor(G_63)),
+    //      gamma = exp2(G_63) | rstd of the q and k rows (warp w: rows w, w + 8, ...)
+    {
+      int const r = tid >> 6, d = 2 * (tid & 63);
+      float2 off = make_float2(0.f, 0.f);
+      for (int t = 0; t < r; ++t) {
+        float2 const bt = *reinterpret_cast<float2 const*>(&sm.blk[t][d]);
+        off.x += bt.x;
+        off.y += bt.y;
       }
-      nr[4] = acc;
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        sm.anc_a[r][d] = int(ceilf(nr[r]));
-        sm.anc_b[r][d] = int(floorf(nr[r + 1]));
+      for (int u = 0; u < kBC; ++u) {
+        Gr[u].x += off.x;
+        Gr[u].y += off.y;
+        *reinterpret_cast<float2*>(&sm.u2.G[kBC * r + u][d]) = Gr[u];
       }
-      sm.gamma[d] = exp2f(acc);
-    } else {
-      for (int i = warp - 4; i < kC; i += 4) {
-        float sq = 0.f, sk = 0.f;
+      sm.anc_a[r][d] = int(ceilf(Gr[0].x));
+      sm.anc_a[r][d + 1] = int(ceilf(Gr[0].y));
+      if (r > 0) {
+        sm.anc_b[r - 1][d] = int(floorf(Gr[0].x));
+        sm.anc_b[r - 1][d + 1] = int(floorf(Gr[0].y));
+      }
+      if (r == 3) {
+        sm.anc_b[3][d] = int(floorf(Gr[kBC - 1].x));
+        sm.anc_b[3][d + 1] = int(floorf(Gr[kBC - 1].y));
+        sm.gamma[d] = ex2(Gr[kBC - 1].x);
+        sm.gamma[d + 1] = ex2(Gr[kBC - 1].y);
+      }
+    }
+#pragma unroll 2
+    for (int i = warp; i < kC; i += 8) {
+      float sq = 0.f, sk = 0.f;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          float const x = __bfloat162float(sm.u1.raw.q[i][lane * 4 + j]);
-          float const y = __bfloat162float(sm.u1.raw.k[i][lane * 4 + j]);
-          sq = fmaf(x, x, sq);
-          sk = fmaf(y, y, sk);
-        }
+      for (int j = 0; j < 4; ++j) {
+        float const x = __bfloat162float(sm.u1.raw.q[i][lane * 4 + j]);
+        float const y = __bfloat162float(sm.u1.raw.k[i][lane * 4 + j]);
+        sq = fmaf(x, x, sq);
+        sk = fmaf(y, y, sk);
+      }
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-          sq += __shfl_xor_sync(0xffffffffu, sq, o);
-          sk += __shfl_xor_sync(0xffffffffu, sk, o);
-        }
-        if (lane == 0) {
-          sm.rstd_q[i] = p.use_qk_l2norm ? rsqrtf(sq + 1e-6f) : 1.f;
-          sm.rstd_k[i] = p.use_qk_l2norm ? rsqrtf(sk + 1e-6f) : 1.f;
-        }
+      for (int o = 16; o > 0; o >>= 1) {
+        sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        sk += __shfl_xor_sync(0xffffffffu, sk, o);
+      }
+      if (lane == 0) {
+        sm.rstd_q[i] = p.use_qk_l2norm ? rsqrtf(sq + 1e-6f) : 1.f;
+        sm.rstd_k[i] = p.use_qk_l2norm ? rsqrtf(sk + 1e-6f) : 1.f;
       }
     }
     __syncthreads();
     mark(1);
 
-    // ---- 3: block-anchored factors (exponents G - A_r <= 0, B_r - G <= 0)
+    // ---- 3: block-anchored factors (exponents G - A_r <= 0, B_r - G <= 0); the per-channel block scalars
+    //      2^(A_r - B_s) of the pairs (r, s <= r) for phase 4
+    for (int e = tid; e < kPairs * kK; e += kThreads) {
+      int const pr = e >> 7, d = e & (kK - 1);
+      int const r = pr >= 6 ? 3 : pr >= 3 ? 2 : pr >= 1 ? 1 : 0, s = pr - r * (r + 1) / 2;
+      sm.pw[pr][d] = pow2i(sm.anc_a[r][d] - sm.anc_b[s][d]);
+    }
     for (int idx = tid; idx < kC * (kK / 2); idx += kThreads) {
       int const i = idx >> 6, d = (idx & 63) * 2, r = i >> 4;
       float2 const G = *reinterpret_cast<float2 const*>(&sm.u2.G[i][d]);
       float2 const q2 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i][d]));
       float2 const k2 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i][d]));
       float const sq = p.scale * sm.rstd_q[i], sk = sm.rstd_k[i];
-      float const ea0 = exp2f(G.x - float(sm.anc_a[r][d])), ea1 = exp2f(G.y - float(sm.anc_a[r][d + 1]));
-      float const fb0 = exp2f(float(sm.anc_b[r][d]) - G.x), fb1 = exp2f(float(sm.anc_b[r][d + 1]) - G.y);
+      float const ea0 = ex2(G.x - float(sm.anc_a[r][d])), ea1 = ex2(G.y - float(sm.anc_a[r][d + 1]));
+      float const fb0 = ex2(float(sm.anc_b[r][d]) - G.x), fb1 = ex2(float(sm.anc_b[r][d + 1]) - G.y);
       store_pair(&sm.u3.t1[i][d], q2.x * sq * ea0, q2.y * sq * ea1);
       store_pair(&sm.t2.Ke[i][d], k2.x * sk * ea0, k2.y * sk * ea1);
       store_pair(&sm.t3.Kf[i][d], k2.x * sk * fb0, k2.y * sk * fb1);
@@ -393,25 +465,25 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
     __syncthreads();
     mark(2);
 
-    // ---- 4: Aqk and L, 16 blocks each (s > r: zeros)
-    for (int job = warp; job < 32; job += 8) {
-      bool const is_l = job >= 16;
-      int const r = (job & 15) >> 2, s = job & 3;
+    // ---- 4: Aqk and L on the 10 sub-block pairs (r, s <= r) each: job j < 10 Aqk, else L, of pair j mod 10;
+    //      warp w takes jobs w, w + 8, w + 16 (the blocks s > r of aqk stay zero from the prologue)
+    for (int job = warp; job < 2 * kPairs; job += 8) {
+      bool const is_l = job >= kPairs;
+      int const pr = is_l ? job - kPairs : job;
+      int const r = pr >= 6 ? 3 : pr >= 3 ? 2 : pr >= 1 ? 1 : 0, s = pr - r * (r + 1) / 2;
       float acc[2][4];
       zero(acc);
-      if (s <= r) {
+      {
         bf16 const* A = (is_l ? &sm.t2.Ke[16 * r][0] : &sm.u3.t1[16 * r][0]) + g8 * kLdK + 2 * t4;
 #pragma unroll
         for (int k0 = 0; k0 < kK; k0 += 16) {
           int const d = k0 + 2 * t4;
-          float const s0 = pow2i(sm.anc_a[r][d] - sm.anc_b[s][d]);
-          float const s1 = pow2i(sm.anc_a[r][d + 1] - sm.anc_b[s][d + 1]);
-          float const s8 = pow2i(sm.anc_a[r][d + 8] - sm.anc_b[s][d + 8]);
-          float const s9 = pow2i(sm.anc_a[r][d + 9] - sm.anc_b[s][d + 9]);
-          uint32_t const a0 = scale_pair(ld32(A + k0), s0, s1);
-          uint32_t const a1 = scale_pair(ld32(A + 8 * kLdK + k0), s0, s1);
-          uint32_t const a2 = scale_pair(ld32(A + k0 + 8), s8, s9);
-          uint32_t const a3 = scale_pair(ld32(A + 8 * kLdK + k0 + 8), s8, s9);
+          float2 const s01 = *reinterpret_cast<float2 const*>(&sm.pw[pr][d]);
+          float2 const s89 = *reinterpret_cast<float2 const*>(&sm.pw[pr][d + 8]);
+          uint32_t const a0 = scale_pair(ld32(A + k0), s01.x, s01.y);
+          uint32_t const a1 = scale_pair(ld32(A + 8 * kLdK + k0), s01.x, s01.y);
+          uint32_t const a2 = scale_pair(ld32(A + k0 + 8), s89.x, s89.y);
+          uint32_t const a3 = scale_pair(ld32(A + 8 * kLdK + k0 + 8), s89.x, s89.y);
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
             bf16 const* b = &sm.t3.Kf[16 * s + nt * 8 + g8][k0 + 2 * t4];
@@ -425,7 +497,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
         for (int e = 0; e < 4; ++e) {
           int const i = 16 * r + g8 + (e >> 1) * 8, j = 16 * s + nt * 8 + 2 * t4 + (e & 1);
           if (is_l) {
-            sm.L[i][j] = j < i ? sm.beta[i] * acc[nt][e] : 0.f;
+            sm.u4.L[i][j] = j < i ? sm.beta[i] * acc[nt][e] : 0.f;
           } else {
             sm.aqk[i][j] = __float2bfloat16_rn(j <= i ? acc[nt][e] : 0.f);
           }
@@ -435,20 +507,28 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
     __syncthreads();
     mark(3);
 
-    // ---- 5a: state-side factors (all exponents <= 0); raw q/k and G read for the last time
-    for (int idx = tid; idx < kC * (kK / 2); idx += kThreads) {
-      int const i = idx >> 6, d = (idx & 63) * 2;
-      float2 const G = *reinterpret_cast<float2 const*>(&sm.u2.G[i][d]);
+    // ---- 5a: state-side factors (all exponents <= 0); raw q/k and G read for the last time. Thread = (token
+    //      pair i, i + 1; channel pair d, d + 1), a warp = 8 token pairs x 4 channel pairs: the bf16x2 stores
+    //      into the transposed Kg^T / Kd^T rows and the float2 reads of G rows hit distinct banks.
+    for (int idx = tid; idx < (kC / 2) * (kK / 2); idx += kThreads) {
+      int const l = idx & 31, grp = idx >> 5;
+      int const i = 2 * ((grp & 3) * 8 + (l & 7)), d = 2 * ((grp >> 2) * 4 + (l >> 3));
+      float2 const G0 = *reinterpret_cast<float2 const*>(&sm.u2.G[i][d]);
+      float2 const G1 = *reinterpret_cast<float2 const*>(&sm.u2.G[i + 1][d]);
       float2 const G63 = *reinterpret_cast<float2 const*>(&sm.u2.G[kC - 1][d]);
-      float2 const q2 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i][d]));
-      float2 const k2 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i][d]));
-      float const sq = p.scale * sm.rstd_q[i], sk = sm.rstd_k[i];
-      float const e0 = exp2f(G.x), e1 = exp2f(G.y);
-      store_pair(&sm.u3.t1[i][d], q2.x * sq * e0, q2.y * sq * e1);
-      sm.t2.KgT[d][i] = __float2bfloat16_rn(k2.x * sk * e0);
-      sm.t2.KgT[d + 1][i] = __float2bfloat16_rn(k2.y * sk * e1);
-      sm.t3.KdT[d][i] = __float2bfloat16_rn(k2.x * sk * exp2f(G63.x - G.x));
-      sm.t3.KdT[d + 1][i] = __float2bfloat16_rn(k2.y * sk * exp2f(G63.y - G.y));
+      float2 const q0 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i][d]));
+      float2 const q1 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i + 1][d]));
+      float2 const k0 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i][d]));
+      float2 const k1 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i + 1][d]));
+      float const sq0 = p.scale * sm.rstd_q[i], sq1 = p.scale * sm.rstd_q[i + 1];
+      float const sk0 = sm.rstd_k[i], sk1 = sm.rstd_k[i + 1];
+      float const e00 = ex2(G0.x), e01 = ex2(G0.y), e10 = ex2(G1.x), e11 = ex2(G1.y);  // e[token][channel]
+      store_pair(&sm.u3.t1[i][d], q0.x * sq0 * e00, q0.y * sq0 * e01);
+      store_pair(&sm.u3.t1[i + 1][d], q1.x * sq1 * e10, q1.y * sq1 * e11);
+      store_pair(&sm.t2.KgT[d][i], k0.x * sk0 * e00, k1.x * sk1 * e10);
+      store_pair(&sm.t2.KgT[d + 1][i], k0.y * sk0 * e01, k1.y * sk1 * e11);
+      store_pair(&sm.t3.KdT[d][i], k0.x * sk0 * ex2(G63.x - G0.x), k1.x * sk1 * ex2(G63.x - G1.x));
+      store_pair(&sm.t3.KdT[d + 1][i], k0.y * sk0 * ex2(G63.y - G0.y), k1.y * sk1 * ex2(G63.y - G1.y));
     }
     __syncthreads();
     mark(4);
@@ -461,7 +541,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
       for (int i = 0; i < 16; ++i) {
         float s = i == c ? 1.f : 0.f;
 #pragma unroll
-        for (int j = 0; j < i; ++j) s = fmaf(-sm.L[o + i][o + j], x[j], s);
+        for (int j = 0; j < i; ++j) s = fmaf(-sm.u4.L[o + i][o + j], x[j], s);
         x[i] = s;
       }
       if (lane < 16) {
@@ -475,24 +555,39 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
       }
     }
     __syncthreads();
-    // block rows: X_rs = -D_r sum_{t=s}^{r-1} L_rt X_ts, s < r
+    // block rows: X_rs = -D_r sum_{t=s}^{r-1} L_rt X_ts, s < r. Thread = a 1 x 4 strip (block s, row i,
+    // columns j..j+3): one L element times a float4 of X per step (sums in the order t, m as a scalar loop).
     for (int r = 1; r < 4; ++r) {
-      for (int e = tid; e < r * 256; e += kThreads) {
-        int const s = e >> 8, i = (e >> 4) & 15, j = e & 15;
-        float acc = 0.f;
+      bool const on = tid < r * 64;
+      int const s = tid >> 6, i = (tid >> 2) & 15, j = (tid & 3) * 4;
+      if (on) {
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
         for (int t = s; t < r; ++t) {
 #pragma unroll
-          for (int m = 0; m < 16; ++m) acc = fmaf(sm.L[16 * r + i][16 * t + m], sm.u1.X[16 * t + m][16 * s + j], acc);
+          for (int m = 0; m < 16; ++m) {
+            float const l = sm.u4.L[16 * r + i][16 * t + m];
+            float4 const x = *reinterpret_cast<float4 const*>(&sm.u1.X[16 * t + m][16 * s + j]);
+            acc.x = fmaf(l, x.x, acc.x);
+            acc.y = fmaf(l, x.y, acc.y);
+            acc.z = fmaf(l, x.z, acc.z);
+            acc.w = fmaf(l, x.w, acc.w);
+          }
         }
-        sm.tmp[s][i][j] = acc;
+        *reinterpret_cast<float4*>(&sm.tmp[s][i][j]) = acc;
       }
       __syncthreads();
-      for (int e = tid; e < r * 256; e += kThreads) {
-        int const s = e >> 8, i = (e >> 4) & 15, j = e & 15;
-        float acc = 0.f;
+      if (on) {
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-        for (int m = 0; m < 16; ++m) acc = fmaf(sm.u1.X[16 * r + i][16 * r + m], sm.tmp[s][m][j], acc);
-        sm.u1.X[16 * r + i][16 * s + j] = -acc;
+        for (int m = 0; m < 16; ++m) {
+          float const x = sm.u1.X[16 * r + i][16 * r + m];
+          float4 const tv = *reinterpret_cast<float4 const*>(&sm.tmp[s][m][j]);
+          acc.x = fmaf(x, tv.x, acc.x);
+          acc.y = fmaf(x, tv.y, acc.y);
+          acc.z = fmaf(x, tv.z, acc.z);
+          acc.w = fmaf(x, tv.w, acc.w);
+        }
+        *reinterpret_cast<float4*>(&sm.u1.X[16 * r + i][16 * s + j]) = make_float4(-acc.x, -acc.y, -acc.z, -acc.w);
       }
       __syncthreads();
     }
@@ -527,25 +622,25 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
     __syncthreads();
     mark(6);
 
-    // ---- 7: V' = (X diag b) V - W bf16(S) ; O = Qg bf16(S). 64 x 64, warp = (row tile w/2, 32 columns)
-    int const mt = warp >> 1, nb = (warp & 1) * 32;
-    float o_acc[4][4];
+    // ---- 7: V' = (X diag b) V - W bf16(S) ; O = Qg bf16(S). 64 x kBV, warp = (row tile w/2, kBV/2 columns)
+    int const mt = warp >> 1, nb = (warp & 1) * (kBV / 2);
+    float o_acc[kNO][4];
     {
-      float vp[4][4];
+      float vp[kNO][4];
       zero(vp);
-      warp_mma_tn<4, kC>(vp, &sm.akkb[16 * mt][0], kLdC, &sm.vT[nb][0], kLdC, lane);
-      warp_mma_tn<4, kK>(vp, &sm.u2.Wn[16 * mt][0], kLdK, &sm.sT[nb][0], kLdK, lane);
-      zero(o_acc);
-      warp_mma_tn<4, kK>(o_acc, &sm.u3.t1[16 * mt][0], kLdK, &sm.sT[nb][0], kLdK, lane);
+      warp_mma_tn<kNO, kC>(vp, &sm.akkb[16 * mt][0], kLdC, &sm.vT[nb][0], kLdC, lane);
+      warp_mma_tn<kNO, kK>(vp, &sm.u2.Wn[16 * mt][0], kLdK, &sm.sT[nb][0], kLdK, lane);
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
+      for (int nt = 0; nt < kNO; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           int const i = 16 * mt + g8 + (e >> 1) * 8, c = nb + nt * 8 + 2 * t4 + (e & 1);
-          sm.vpT[c][i] = __float2bfloat16_rn(vp[nt][e]);
+          sm.u4.vpT[c][i] = __float2bfloat16_rn(vp[nt][e]);
         }
       }
     }
+    zero(o_acc);  // after V' is stored: its accumulators and O's are not live at once
+    warp_mma_tn<kNO, kK>(o_acc, &sm.u3.t1[16 * mt][0], kLdK, &sm.sT[nb][0], kLdK, lane);
     __syncthreads();
     mark(7);
     if (prefetch) {
@@ -554,9 +649,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
     }
 
     // ---- 8: O += Aqk V' (store rows < `rows`); S = diag(gamma) S + Kd^T V'; bf16(S)^T for the next chunk
-    warp_mma_tn<4, kC>(o_acc, &sm.aqk[16 * mt][0], kLdC, &sm.vpT[nb][0], kLdC, lane);
+    warp_mma_tn<kNO, kC>(o_acc, &sm.aqk[16 * mt][0], kLdC, &sm.u4.vpT[nb][0], kLdC, lane);
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
+    for (int nt = 0; nt < kNO; ++nt) {
       int const i = 16 * mt + g8, c = nb + nt * 8 + 2 * t4;
       if (i < rows) store_pair(og + (tok0 + i) * p.o_tok_stride + c, o_acc[nt][0], o_acc[nt][1]);
       if (i + 8 < rows) store_pair(og + (tok0 + i + 8) * p.o_tok_stride + c, o_acc[nt][2], o_acc[nt][3]);
@@ -565,15 +660,15 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
       int const d0 = warp * 16 + g8;
       float const gm0 = sm.gamma[d0], gm1 = sm.gamma[d0 + 8];
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
+      for (int nt = 0; nt < kNS; ++nt) {
         S[nt][0] *= gm0;
         S[nt][1] *= gm0;
         S[nt][2] *= gm1;
         S[nt][3] *= gm1;
       }
-      warp_mma_tn<8, kC>(S, &sm.t3.KdT[warp * 16][0], kLdC, &sm.vpT[0][0], kLdC, lane);
+      warp_mma_tn<kNS, kC>(S, &sm.t3.KdT[warp * 16][0], kLdC, &sm.u4.vpT[0][0], kLdC, lane);
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
+      for (int nt = 0; nt < kNS; ++nt) {
         int const c = nt * 8 + 2 * t4;
         sm.sT[c][d0] = __float2bfloat16_rn(S[nt][0]);
         sm.sT[c + 1][d0] = __float2bfloat16_rn(S[nt][1]);
@@ -594,7 +689,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
   if (p.ht != nullptr) {
     int const d0 = warp * 16 + g8;
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
+    for (int nt = 0; nt < kNS; ++nt) {
       int const c = nt * 8 + 2 * t4;
 #pragma unroll
       for (int e = 0; e < 4; ++e) p.ht[state_index(d0 + (e >> 1) * 8, c + (e & 1))] = S[nt][e];

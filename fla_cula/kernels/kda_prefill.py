@@ -1,8 +1,8 @@
 """Fused KDA prefill forward for SM90 (issue 18): host plan of the CUDA C++ kernel ``fla_cula._C.kda_fwd``.
 
 Design: docs/kda_sm90.md; v1 as built: its "v1 as built" section and csrc/kda_sm90/. One launch per
-call: one CTA per (sequence, value head, 64-column V block), chunks of 64 tokens, the state on chip
-across chunks; l2norm, beta sigmoid and the bounded gate fused.
+call: one CTA per (sequence, value head, V block of 64 or 128 columns: block_v_for), chunks of 64 tokens,
+the state on chip across chunks; l2norm, beta sigmoid and the bounded gate fused.
 
 Scope of v1 (everything else returns a reason and runs FLA):
   - q, k, v, g bfloat16, K = V = 128, HV % H == 0 (GVA); beta bf16 or fp32 [B,T,HV];
@@ -14,11 +14,14 @@ Scope of v1 (everything else returns a reason and runs FLA):
     the sigmoid beta, made here with FLA's own l2norm_fwd / fused_beta_sigmoid_fwd (the kernel then
     runs on q^, k^ and that beta, so its Aqk/Akk see FLA's rounding of q^, k^), and Aqk / Akk, which
     the kernel writes (FLA's [B,T,HV,64] layout, Akk zero above the diagonal).
-Per call (grad-dependent, through ``fwd.size_reason``): chunk_size=32 and disable_recompute under grad.
+Per call (through ``fwd.size_reason``): chunk_size=32 and disable_recompute under grad (the kernel's scope),
+then the op's routing policy (``_route_reason``: grad, small grids -> FLA; run() ignores it).
 
 ``plan`` is memoized per size-free signature (fla_cula.routing): it reads dtypes, head counts and
 dims, devices, contiguity and alignment, never B, T, N or the varlen layout.
 """
+
+import functools
 
 import torch
 from fla.modules.norm.l2norm import l2norm_fwd
@@ -40,6 +43,34 @@ CHUNK = 64
 GATE_REASON = "v1: bounded (lower_bound) in-kernel gate only"
 _BF16 = torch.bfloat16
 _PARAM_DTYPES = (torch.float32, torch.bfloat16)
+
+
+_TUNING = {"block_v": None}   # None: block_v_for(); 64 or 128: forced (tests, benchmarks)
+
+
+def set_tuning(block_v: int | None = None) -> None:
+    """Force the V columns per CTA (64 or 128) for every call; None (no argument): chosen per call."""
+    if block_v not in (None, 64, 128):
+        raise ValueError(f"block_v={block_v!r}: expected None, 64 or 128")
+    _TUNING["block_v"] = block_v
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def block_v_for(N: int, HV: int, sms: int) -> int:
+    """V columns per CTA for N sequences x HV value heads (one CTA per SM: 202-229 KB of shared memory).
+    64 while the 2 * N * HV half-state CTAs fit one wave: each recomputes its pair's K-side prep, but a wave
+    of them is as long as one CTA's chunks at the smaller state cost; 128 beyond: the prep (most of a chunk's
+    time) is done once per pair, N * HV CTAs."""
+    return 64 if 2 * N * HV <= sms else 128
+
+
+def _block_v(N: int, HV: int, device: torch.device) -> int:
+    bv = _TUNING["block_v"]
+    return bv if bv is not None else block_v_for(N, HV, _sm_count(device))
 
 
 def _aligned(x: torch.Tensor, n: int = 16) -> bool:
@@ -87,6 +118,29 @@ def plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens
     return None, _forward
 
 
+# Routing policy of the op (not the kernel's scope: run() ignores it). Under grad the routed op runs FLA, forward
+# and backward: the kernel's Aqk/Akk feed FLA's backward, and at B=2 T=200 H=4 dA_log came out at 2.2e-3 relative
+# RMS against FLA's 8.5e-4 (the 1.5x bar: tests/gpu/test_kda_prefill.py::test_grad, H200, session 10), so
+# the grad path waits for that to be understood. Below MIN_PAIRS (sequence, value head) pairs a CTA's serial
+# chain of chunks is longer than FLA's chunk-parallel passes (B1 T8192 H8: 3.2 ms vs FLA 0.41, session 9);
+# at >= 128 pairs the 128-column CTAs fill the GPU once per 132 pairs. The tests set both off.
+ROUTE_GRAD = False
+MIN_PAIRS = 128
+
+
+def _route_reason(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu,
+                  cfg: KDAChunkConfig) -> str | None:
+    """Why the routed op sends this call to FLA although the kernel could run it, or None."""
+    if not ROUTE_GRAD and needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
+        return "v1: grad -> FLA (the kernel's Aqk/Akk with FLA's backward: dA_log 2.2e-3 vs FLA's 8.5e-4)"
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    pairs = N * v.shape[2]
+    if pairs < MIN_PAIRS:
+        return (f"{pairs} (sequence, value head) pairs < {MIN_PAIRS}: FLA is faster on grids this small "
+                f"(v1 has no sequence split)")
+    return None
+
+
 def _size_reason(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu,
                  cfg: KDAChunkConfig) -> str | None:
     """Per-call checks that depend on grad (the memo key does not hold requires_grad)."""
@@ -116,10 +170,11 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seq
     o = torch.empty(B, T, HV, HEAD_DIM, dtype=q.dtype, device=dev)
     ht = torch.empty(N, HV, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=dev) if cfg.output_final_state else None
     beta_scale = 2.0 if cfg.allow_neg_eigval else 1.0
+    bv = _block_v(N, HV, dev)
     if not need_grad:
         _C.kda_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o, ht, None, None, cfg.scale,
                    cfg.lower_bound, cfg.use_qk_l2norm_in_kernel, cfg.use_beta_sigmoid_in_kernel, beta_scale,
-                   cfg.state_v_first)
+                   cfg.state_v_first, block_v=bv)
         return KDAForward(o, ht)
 
     # Grad: what FLA's backward reads, made by FLA's own functions; the kernel runs on those tensors.
@@ -132,7 +187,7 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seq
     Aqk = torch.empty(B, T, HV, CHUNK, dtype=k.dtype, device=dev)
     Akk = torch.empty(B, T, HV, CHUNK, dtype=k.dtype, device=dev)
     _C.kda_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o, ht, Aqk, Akk, cfg.scale,
-               cfg.lower_bound, False, False, 1.0, cfg.state_v_first)
+               cfg.lower_bound, False, False, 1.0, cfg.state_v_first, block_v=bv)
     chunk_indices = None
     if cu_seqlens is not None:
         chunk_indices = prepare_chunk_indices(cu_seqlens=cu_seqlens, chunk_size=CHUNK, cu_seqlens_cpu=cu_seqlens_cpu)
@@ -140,7 +195,11 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seq
                       initial_state=initial_state, chunk_indices=chunk_indices, chunk_offsets=None)
 
 
-_forward.size_reason = _size_reason
+def _call_reason(*args) -> str | None:
+    return _size_reason(*args) or _route_reason(*args)
+
+
+_forward.size_reason = _call_reason
 
 
 def run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, cfg: KDAChunkConfig,
@@ -158,7 +217,8 @@ def phase_profile(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, c
                   cfg: KDAChunkConfig) -> dict[str, float]:
     """Run the instrumented kernel (clock64 at each phase's CTA barrier, thread 0) once in inference form and
     return the mean cycles per chunk of each phase over the CTAs that had chunks (synchronizes; a
-    measuring tool, not a call path). Phases: ``_C.KDA_FWD_PHASE_NAMES``."""
+    measuring tool, not a call path), with the block_v the forward would take. Phases:
+    ``_C.KDA_FWD_PHASE_NAMES``."""
     args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, cfg)
     r, _ = plan(*args)
     if r:
@@ -168,12 +228,13 @@ def phase_profile(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, c
     HV = v.shape[2]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     o = torch.empty(B, T, HV, HEAD_DIM, dtype=q.dtype, device=q.device)
-    cycles = torch.zeros(N * HV * (HEAD_DIM // 64), _C.KDA_FWD_PHASES, dtype=torch.int64, device=q.device)
+    bv = _block_v(N, HV, q.device)
+    cycles = torch.zeros(N * HV * (HEAD_DIM // bv), _C.KDA_FWD_PHASES, dtype=torch.int64, device=q.device)
     _C.kda_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o, None, None, None, cfg.scale,
                cfg.lower_bound, cfg.use_qk_l2norm_in_kernel, cfg.use_beta_sigmoid_in_kernel,
-               2.0 if cfg.allow_neg_eigval else 1.0, cfg.state_v_first, cycles)
+               2.0 if cfg.allow_neg_eigval else 1.0, cfg.state_v_first, block_v=bv, phase_cycles=cycles)
     lens = torch.full((N,), T, dtype=torch.int64) if cu_seqlens is None else (cu_seqlens[1:] - cu_seqlens[:-1]).cpu()
-    chunks = ((lens + CHUNK - 1) // CHUNK).repeat_interleave(HV * (HEAD_DIM // 64)).to(torch.float64)
+    chunks = ((lens + CHUNK - 1) // CHUNK).repeat_interleave(HV * (HEAD_DIM // bv)).to(torch.float64)
     busy = chunks > 0
     per_chunk = cycles.cpu().to(torch.float64)[busy].sum(0) / chunks[busy].sum().clamp(min=1)
     return dict(zip(_C.KDA_FWD_PHASE_NAMES, per_chunk.tolist(), strict=True))

@@ -30,8 +30,8 @@ split"): split_segments() picks P segments per sequence from host-known sizes; p
 computes every segment's local state from zero, LightningCombine turns them in place into each segment's
 initial state (and the final state): S_in(p+1) = exp(g L_p) S_in(p) + S_loc(p), exact; pass 2 (seg=True)
 writes o from those states. Three launches, no host sync (varlen too: segment slots bounded by the token
-count, empty past each sequence's end). Off by default (SPLIT_DEFAULT); set_tuning(split="auto" | P) turns
-it on (the heuristic) or forces P.
+count, empty past each sequence's end). On by default where the heuristic predicts a gain (SPLIT_DEFAULT);
+set_tuning(split=0 | P) turns it off or forces P.
 
 Static (compile key): dtype (q, k, v, o), K, V, BV, chunk, has_h0 and its dtype, has_ht, varlen and
 cu_seqlens dtype, kv_stages, mma, has_o, seg. Symbolic: B, T, H, N (one compile serves every batch, length,
@@ -814,14 +814,13 @@ def get_combine(cfg: CombineConfig):
 TUNING.add("lightning_prefill", LightningPrefillConfig, lambda c: LightningPrefill(c).spec())
 
 
-# The sequence split is off by default. On the H200 (session 9, tests/gpu/test_lightning_prefill.py -k split) its
-# o matched the fp64 reference as closely as FLA's does (2.34e-3 vs 2.35e-3 relative RMS) and its final state to
-# ~1e-5, but in 17 of 74 cases o differed from the unsplit kernel's by 2.0-3.8e-4 where the CPU model of the
-# algorithm predicts <= 7.3e-5 (the test's bound: 2e-4). Likely cause, untested: its state pass runs mma.sync
-# while pass 2 and the unsplit kernel now run wgmma (different fp32 accumulation orders; docs/lightning_prefill.md).
-# It is enabled once that is checked on the H200.
-SPLIT_DEFAULT = 0
-_SPLIT = {"split": SPLIT_DEFAULT}   # the host-side sequence-split knob (set_tuning(split=...)); None = heuristic
+# The sequence split is on by default (the heuristic, split_segments). H200, session 10: the split's o differs
+# from the unsplit kernel's only through bf16 rounding flips of the S0 operand that the fp32 state difference
+# d_s (different accumulation orders across the combine, <= 1e-5 relative) triggers; measured
+# 1.7-2.3 x sqrt(d_s 2^-8) with the same size for mma.sync and wgmma pass 2 (the state pass's instruction is not
+# the cause); o vs fp64 equals FLA's (docs/lightning_prefill.md, "Sequence split", session 10).
+SPLIT_DEFAULT = "auto"
+_SPLIT = {"split": None}   # the host-side sequence-split knob (set_tuning(split=...)); None = heuristic
 
 
 def set_tuning(split=SPLIT_DEFAULT, **knobs) -> None:
@@ -1129,7 +1128,7 @@ def small_grid_reason(q, v, cu_seqlens, split_knob, bv: int) -> str | None:
     if ctas >= MIN_CTAS or _split_for(split_knob, cu_seqlens is not None, T, N, H, K, v.shape[3], bv) is not None:
         return None
     return (f"grid of {ctas} CTAs (sequences x heads x V/{bv}) < {MIN_CTAS}: FLA is faster on grids this small "
-            f"(measured 0.39-0.58x at 16-32 CTAs) while the sequence split is off")
+            f"(measured 0.39-0.58x at 16-32 CTAs) and the sequence split does not pay at this length")
 
 
 def run(*args):

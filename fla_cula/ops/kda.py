@@ -5,8 +5,9 @@ Each call validates as FLA does (same exceptions, same messages), decides kernel
 originals captured when this module was first imported, so patching never loops back here.
 
 - chunk_kda:               our forward + FLA's backward (fla_cula.ops.chunk_autograd) where a forward
-                           serves the call; no kernel yet, so FLA ("no kernel for this op yet"), or
-                           FLA's forward in our Function with FLA_CULA_STAND_IN=1.
+                           serves the call: the fused prefill kernel (fla_cula.kernels.kda_prefill) for
+                           inference calls on large grids, else FLA with the reason; FLA's forward in our
+                           Function with FLA_CULA_STAND_IN=1.
 - fused_recurrent_kda:     decode kernel (fla_cula.kernels.kda_decode) where it applies.
 - fused_recurrent_kda_fwd: the serving entry point (state pools, indices); same kernel.
 """

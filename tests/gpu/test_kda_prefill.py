@@ -79,6 +79,8 @@ def _kda_prefill_routed(monkeypatch):
         warnings.warn(f"registry routes chunk_kda to {spec.kernel!r}: routed to kda_prefill for this test only",
                       stacklevel=2)
         monkeypatch.setitem(registry.OPS, "chunk_kda", dataclasses.replace(spec, kernel="kda_prefill"))
+    monkeypatch.setattr(mod, "ROUTE_GRAD", True)   # the op's routing policy off: every case runs the kernel
+    monkeypatch.setattr(mod, "MIN_PAIRS", 0)
     routing.clear_plans()       # memoized "no kernel for this op yet" decisions must not survive the switch
     fla_cula.reset_status()
     yield
@@ -424,6 +426,37 @@ VARLEN = {f"{s}-{v}": cfg(**kw, cu_dtype=CU_VARIANTS[v][0], cu_cpu=CU_VARIANTS[v
 @pytest.mark.parametrize("c", _params(VARLEN, {"uneven-i32-cpu", "empty-mid-i64", "64x37-i32"}))
 def test_varlen(c, strict_mode, fla_fns):
     check_forward(c, fla_fns)
+
+
+# V columns per CTA: 64 (two CTAs per pair, the prep recomputed) and 128 (one CTA) give the same bits: every
+# state column is the same arithmetic in either tiling (kda_prefill.block_v_for picks one per call)
+BLOCK_V_CASES = {"T65-B1-vfirst": FIXED["T65-B1-vfirst"],
+                 "GVA-H2-HV8-T1000-B2-vfirst": FIXED["GVA-H2-HV8-T1000-B2-vfirst"],
+                 "empty-mid-i64": VARLEN["empty-mid-i64"], "long+short-i32": VARLEN["long+short-i32"]}
+
+
+@pytest.mark.parametrize("c", _params(BLOCK_V_CASES, {"T65-B1-vfirst", "empty-mid-i64"}))
+def test_block_v_64_and_128_same_bits(c, strict_mode, fla_fns):
+    from fla_cula.kernels import kda_prefill
+    outs = {}
+    try:
+        for bv in (64, 128):
+            kda_prefill.set_tuning(block_v=bv)
+            _, o, ht, _ = check_forward(c, fla_fns)   # each width passes the fp64 / FLA bars on its own
+            outs[bv] = (o, ht)
+    finally:
+        kda_prefill.set_tuning()
+    assert torch.equal(outs[64][0], outs[128][0])
+    assert (outs[64][1] is None and outs[128][1] is None) or torch.equal(outs[64][1], outs[128][1])
+
+
+def test_block_v_choice():
+    """One wave of 64-column CTAs while they fit the SMs, else 128 (the prep once per pair)."""
+    from fla_cula.kernels import kda_prefill
+    assert kda_prefill.block_v_for(1, 8, 132) == 64 and kda_prefill.block_v_for(1, 66, 132) == 64
+    assert kda_prefill.block_v_for(1, 67, 132) == 128 and kda_prefill.block_v_for(2, 64, 132) == 128
+    with pytest.raises(ValueError, match="block_v"):
+        kda_prefill.set_tuning(block_v=32)
 
 
 def test_varlen_run_to_run_bit_identical(strict_mode):

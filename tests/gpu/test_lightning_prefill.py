@@ -250,8 +250,12 @@ def test_plan_chunk_form_matches_run():
 # the sequence split (lightning_prefill.set_tuning(split=P): pass 1 local states, combine, pass 2)
 def _split_vs_unsplit(q, k, v, h0, out_state, cu=None, P=4, knobs=None, fla_fns=None, layer_idx=0):
     """The split run (forced P) passes _check's bars (fp64, FLA, NaN poison, inputs unchanged) and agrees with
-    the unsplit kernel: final state to fp32 rounding (1e-5 relative RMS), o to rare flips of the bf16 S0
-    operand (2e-4; the CPU model of tests/test_lightning_prefill_compile.py::test_split_numerics shows <= 7e-5)."""
+    the unsplit kernel: final state to fp32 rounding (d_s <= 1e-5 relative RMS: the combine and the two passes
+    accumulate in other orders than the unsplit kernel), o to the rounding flips that d_s triggers in the
+    S0 operand (dtype unit roundoff u): a state difference d_s flips an operand element's rounding with
+    probability ~ d_s / u, so o differs by ~ sqrt(d_s u). Bound 4 sqrt(d_s u), at least 2e-4 (few flips: the
+    CPU model of test_split_numerics, one accumulation order, shows <= 7.3e-5); measured on the H200 (session
+    10): 1.7-2.3 sqrt(d_s u) for u = 2^-8 in nine cases with d_s 2.9e-6 to 8.3e-6."""
     lp = _lp()
     H = q.shape[2]
     nseg = lp._split_for(P, cu is not None, q.shape[1], q.shape[0] if cu is None else cu.numel() - 1, H,
@@ -269,8 +273,10 @@ def _split_vs_unsplit(q, k, v, h0, out_state, cu=None, P=4, knobs=None, fla_fns=
         lp.set_tuning()
     d_o = rel_rms(uo.double(), o.double())
     d_s = rel_rms(uht, ht) if out_state else 0.0
-    print(f"  split {nseg}: vs unsplit o {d_o:.1e} ht {d_s:.1e}")
-    assert d_o <= 2e-4 and d_s <= 1e-5, (nseg, d_o, d_s, errs)
+    u = torch.finfo(q.dtype).eps / 2                      # unit roundoff of the S0 operand: bf16 2^-8, fp16 2^-11
+    bound = max(2e-4, 4 * math.sqrt((d_s if out_state else 1e-5) * u))
+    print(f"  split {nseg}: vs unsplit o {d_o:.1e} (bound {bound:.1e}) ht {d_s:.1e}")
+    assert d_o <= bound and d_s <= 1e-5, (nseg, d_o, bound, d_s, errs)
     return nseg
 
 

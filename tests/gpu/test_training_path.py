@@ -266,9 +266,11 @@ def test_thousand_lengths_one_decision_one_compile(monkeypatch):
             for t in range(1, 1001):
                 x = torch.randn(1, t, 2, 64, dtype=torch.bfloat16, device="cuda")
                 fla_cula.chunk_lightning_attn(x, x, x, 0, 2)
+        memo = routing.memo_size("chunk_lightning_attn")  # read before set_tuning() below forgets the plans
+        compiles = jit.stats["compiled"] + jit.stats["disk_hits"] - before
     finally:
         lightning_prefill.set_tuning()
     st = fla_cula.status()["chunk_lightning_attn"]
     assert st["kernel"] == 1000, st
-    assert routing.memo_size("chunk_lightning_attn") == 1
-    assert jit.stats["compiled"] + jit.stats["disk_hits"] - before <= 1
+    assert memo == 1
+    assert compiles <= 1
