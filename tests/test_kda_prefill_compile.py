@@ -327,7 +327,7 @@ def test_plan_grad_only_reasons_are_per_call(monkeypatch):
     per call through its size_reason hook."""
     from fla_cula.kernels import kda_prefill
     plan = _plan()
-    monkeypatch.setattr(kda_prefill, "MIN_PAIRS", 0)
+    monkeypatch.setattr(kda_prefill, "ROUTE_BY_COST", False)
     monkeypatch.setattr(kda_prefill, "ROUTE_GRAD", True)
     args = _plan_args(chunk_size=32)
     r, go = plan(*args)
@@ -340,25 +340,42 @@ def test_plan_grad_only_reasons_are_per_call(monkeypatch):
 
 
 def test_routing_policy_per_call(monkeypatch):
-    """The op's policy (not the kernel's scope): grad -> FLA while ROUTE_GRAD is off, fewer than MIN_PAIRS
-    (sequence, value head) pairs -> FLA; run() ignores the policy."""
+    """The op's policy (not the kernel's scope): grad -> FLA while ROUTE_GRAD is off; otherwise the cost model
+    (measured per-chunk time vs FLA's per-token time) decides; run() ignores the policy."""
     from fla_cula.kernels import kda_prefill
     plan = _plan()
-    args = _plan_args()                                   # N * HV = 1 * 4 pairs
+    args = _plan_args()                                   # B=1 T=100, 4 value heads
     r, go = plan(*args)
     if r is not None and r.startswith(("no CUDA", "tensors on")):
         pytest.skip(r)
-    assert "4 (sequence, value head) pairs < 128" in go.size_reason(*args)
+    assert "does not pay on this grid" in go.size_reason(*args)
     x = args[0].clone().requires_grad_(True)
     assert "grad -> FLA" in go.size_reason(x, *args[1:])
-    monkeypatch.setattr(kda_prefill, "MIN_PAIRS", 4)
+    monkeypatch.setattr(kda_prefill, "ROUTE_BY_COST", False)
     assert go.size_reason(*args) is None
     assert "grad -> FLA" in go.size_reason(x, *args[1:])
     monkeypatch.setattr(kda_prefill, "ROUTE_GRAD", True)
     assert go.size_reason(x, *args[1:]) is None
-    cu = torch.zeros(33, dtype=torch.int32, device="meta")   # varlen: 32 sequences x 4 value heads = 128
-    monkeypatch.setattr(kda_prefill, "MIN_PAIRS", 128)
-    assert go.size_reason(*args[:8], cu, None, args[10]) is None
+    monkeypatch.setattr(kda_prefill, "ROUTE_BY_COST", True)
+    cu = torch.zeros(33, dtype=torch.int32, device="meta")
+    assert "cu_seqlens_cpu" in go.size_reason(*args[:8], cu, None, args[10])   # varlen: host lengths needed
+
+
+def test_routing_cost_model():
+    """The predictions behind the routing, at the measured rows and around a wave boundary (132 SMs)."""
+    from fla_cula.kernels import kda_prefill as kp
+
+    def ratio(lens, HV):
+        ours, fla = kp.predicted_us(lens, HV, 132)
+        return ours / fla
+    ours, fla = kp.predicted_us([8192] * 2, 64, 132)      # measured: 2.693 ms vs FLA 3.367 ms (graph)
+    assert abs(ours - 2688) < 1 and abs(fla - 3366) < 1
+    assert ratio([8192] * 2, 64) < kp.ROUTE_GAIN          # 128 pairs: one wave of 128-column CTAs
+    assert ratio([4096] * 8, 64) < kp.ROUTE_GAIN          # 512 pairs: 4 full waves
+    assert ratio([8192] * 3, 64) > 1                      # 192 pairs: a second, 45%-full wave
+    assert ratio([8192], 64) > 1 and ratio([8192], 8) > 1  # 64-column CTAs (<= 66 pairs): never routed
+    assert ratio([8192] + [64] * 100, 64) > 1             # one long sequence dominates its CTAs' chain
+    assert kp.predicted_us([], 64, 132) == (0.0, 0.0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -121,11 +121,31 @@ def plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens
 # Routing policy of the op (not the kernel's scope: run() ignores it). Under grad the routed op runs FLA, forward
 # and backward: the kernel's Aqk/Akk feed FLA's backward, and at B=2 T=200 H=4 dA_log came out at 2.2e-3 relative
 # RMS against FLA's 8.5e-4 (the 1.5x bar: tests/gpu/test_kda_prefill.py::test_grad, H200, session 10), so
-# the grad path waits for that to be understood. Below MIN_PAIRS (sequence, value head) pairs a CTA's serial
-# chain of chunks is longer than FLA's chunk-parallel passes (B1 T8192 H8: 3.2 ms vs FLA 0.41, session 9);
-# at >= 128 pairs the 128-column CTAs fill the GPU once per 132 pairs. The tests set both off.
+# the grad path waits for that to be understood. Without grad the kernel serves a call when a cost model
+# predicts it below ROUTE_GAIN x FLA's time. Measured on the H200 (session 10, graph replay, docs/kda_sm90.md
+# "v1.1 on the H200"): a CTA takes US_PER_CHUNK[block_v] per 64-token chunk whatever the grid (1 CTA per SM,
+# latency-bound phases), so the kernel's time is waves x chunks per CTA; FLA's chunk-parallel kernels take
+# ~FLA_NS_PER_TOKEN_HEAD per token and value head on large calls. The tests set ROUTE_GRAD and turn the model off.
 ROUTE_GRAD = False
-MIN_PAIRS = 128
+ROUTE_BY_COST = True
+US_PER_CHUNK = {64: 17.0, 128: 21.0}   # B1 T8192 H8 (block_v 64): 2.179 ms / 128; B2 T8192 H64 (128): 2.693 / 128
+FLA_NS_PER_TOKEN_HEAD = 3.21           # FLA 0.6.0, B2 T8192 H64: 3.367 ms / (2 * 8192 * 64)
+ROUTE_GAIN = 0.9
+
+
+def predicted_us(lens: list[int], HV: int, sms: int) -> tuple[float, float]:
+    """(kernel, FLA) predicted microseconds for sequences of these lengths x HV value heads (pure). The kernel:
+    CTAs of ceil(len / 64) chunks in launch order on `sms` SMs, bounded by full waves of the average work plus
+    the longest sequence (equal lengths: exactly waves x chunks)."""
+    bv = block_v_for(len(lens), HV, sms)
+    per = HEAD_DIM // bv
+    chunks = [-(-L // CHUNK) for L in lens]
+    ctas = len(lens) * HV * per
+    if len(set(chunks)) <= 1:
+        kernel = -(-ctas // sms) * (chunks[0] if chunks else 0) * US_PER_CHUNK[bv]
+    else:
+        kernel = (sum(chunks) * HV * per / sms + max(chunks)) * US_PER_CHUNK[bv]
+    return kernel, sum(lens) * HV * FLA_NS_PER_TOKEN_HEAD * 1e-3
 
 
 def _route_reason(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu,
@@ -133,11 +153,19 @@ def _route_reason(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, c
     """Why the routed op sends this call to FLA although the kernel could run it, or None."""
     if not ROUTE_GRAD and needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
         return "v1: grad -> FLA (the kernel's Aqk/Akk with FLA's backward: dA_log 2.2e-3 vs FLA's 8.5e-4)"
-    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    pairs = N * v.shape[2]
-    if pairs < MIN_PAIRS:
-        return (f"{pairs} (sequence, value head) pairs < {MIN_PAIRS}: FLA is faster on grids this small "
-                f"(v1 has no sequence split)")
+    if not ROUTE_BY_COST:
+        return None
+    if cu_seqlens is None:
+        lens = [q.shape[1]] * q.shape[0]
+    elif cu_seqlens_cpu is not None:
+        lens = (cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).tolist()
+    else:
+        return "v1: varlen without cu_seqlens_cpu (no host lengths to predict the kernel's time with)"
+    sms = _sm_count(q.device) if q.is_cuda else 132
+    ours, fla = predicted_us(lens, v.shape[2], sms)
+    if ours >= ROUTE_GAIN * fla:
+        return (f"predicted {ours / 1e3:.2f} ms vs FLA {fla / 1e3:.2f} ms: v1's serial chunk chain per CTA "
+                f"(no sequence split) does not pay on this grid")
     return None
 
 

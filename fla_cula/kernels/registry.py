@@ -77,9 +77,9 @@ OPS: dict[str, OpSpec] = {s.op: s for s in (
     OpSpec("fused_recurrent_kda_fwd", "kda_decode", FORWARD_ONLY),
     OpSpec("fused_recurrent_lightning_attn", "lightning_decode", FORWARD_ONLY),
     OpSpec("fused_recurrent_simple_gla", "lightning_decode", FORWARD_ONLY),
-    # chunk_kda: the fused KDA prefill v1 (CUDA C++, csrc/kda_sm90/), for inference calls with >= 128 (sequence,
-    # value head) pairs; grad and smaller grids go to FLA with the reason (kda_prefill._route_reason;
-    # docs/kda_sm90.md, session 10).
+    # chunk_kda: the fused KDA prefill v1.1 (CUDA C++, csrc/kda_sm90/), for inference calls where its measured
+    # cost model predicts a gain over FLA (large full grids: B2 T8192 H64 2.69 vs 3.37 ms on the H200); grad and
+    # other calls go to FLA with the reason (kda_prefill._route_reason; docs/kda_sm90.md, session 10).
     OpSpec("chunk_kda", "kda_prefill", FLA_BACKWARD, "stand_in_chunk_kda", _KDA_CHUNK_DIMS),
     # chunk_lightning_attn: the lightning prefill kernel (CuTe DSL; wgmma by default, an exact two-pass sequence
     # split for grids that cannot fill the GPU): its 145 GPU tests passed on the H200 (session 9,

@@ -80,7 +80,7 @@ def _kda_prefill_routed(monkeypatch):
                       stacklevel=2)
         monkeypatch.setitem(registry.OPS, "chunk_kda", dataclasses.replace(spec, kernel="kda_prefill"))
     monkeypatch.setattr(mod, "ROUTE_GRAD", True)   # the op's routing policy off: every case runs the kernel
-    monkeypatch.setattr(mod, "MIN_PAIRS", 0)
+    monkeypatch.setattr(mod, "ROUTE_BY_COST", False)
     routing.clear_plans()       # memoized "no kernel for this op yet" decisions must not survive the switch
     fla_cula.reset_status()
     yield
@@ -442,6 +442,7 @@ def test_block_v_64_and_128_same_bits(c, strict_mode, fla_fns):
     try:
         for bv in (64, 128):
             kda_prefill.set_tuning(block_v=bv)
+            fla_cula.reset_status()                   # check_forward counts one routed call
             _, o, ht, _ = check_forward(c, fla_fns)   # each width passes the fp64 / FLA bars on its own
             outs[bv] = (o, ht)
     finally:
