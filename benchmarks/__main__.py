@@ -6,9 +6,9 @@
 Times FLA 0.6.0 and fla_cula side by side (see benchmarks/harness.py and benchmarks/registry.py).
 Writes BENCHMARK_<tag>.md (default: repo root) and benchmarks/results/<tag>.json; with --out DIR
 both go to DIR (BENCHMARK_<tag>.md and benchmark_<tag>.json). Every command merges its records
-into that JSON (the op grid replaces the op-grid records; prefill and model replace records of the
-rows they ran) and regenerates the markdown from all of them, so the peer and model tables and
-the op tables of separate runs end up in one report.
+into that JSON (an op-grid run replaces the records of the benches it ran; prefill and model replace
+records of the rows they ran) and regenerates the markdown from all of them, so the peer and model
+tables and the op tables of separate runs end up in one report.
 """
 
 from __future__ import annotations
@@ -137,9 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         md = os.path.join(ROOT, f"BENCHMARK_{args.tag}.md")
         js = os.path.join(ROOT, "benchmarks", "results", f"{args.tag}.json")
     meta = {b.name: {"op": b.op, "flags": b.flags} for b in benches}
-    # the op grid's records replace every earlier op-grid record; peer and model records are kept
+    # the op grid's records replace the earlier records of the benches it ran (report.grid_drop)
     report.write_merged(records, header, ceilings, meta, md, js, f"fla_cula vs FLA 0.6.0 benchmarks ({args.tag})",
-                        drop=lambda r: not report.is_peer_record(r) and not report.is_model_record(r))
+                        drop=report.grid_drop(records))
     print(f"benchmarks: wrote {md} and {js} ({header['wall time']})", flush=True)
     print(report.short_table(records), flush=True)
     return 0
@@ -160,10 +160,8 @@ def report_main(argv: list[str]) -> int:
     runs = report.load_runs(a.json)
     for path in a.add:
         new = report.load_records(path)
-        grid = any(not report.is_peer_record(r) and not report.is_model_record(r) for r in new)
-        if grid:  # an op-grid run replaces every earlier op-grid record (as python -m benchmarks does)
-            records = [r for r in records if report.is_peer_record(r) or report.is_model_record(r)]
-        records = report.merge_records(records, new)
+        drop = report.grid_drop(new)   # as python -m benchmarks does: the benches this run timed
+        records = report.merge_records([r for r in records if not drop(r)], new)
         runs.update(report.load_runs(path))
     if a.add:
         with open(a.json, "w") as f:

@@ -173,6 +173,13 @@ def is_model_record(r: dict) -> bool:
     return r.get("op") in MODEL_OPS
 
 
+def grid_drop(new: list[dict]):
+    """What an op-grid run's records replace: every earlier op-grid record of the benches it ran (its shapes
+    are the bench's current list, so rows it no longer has go too); other benches, peer and model records stay."""
+    benches = {r.get("bench") for r in new if not is_peer_record(r) and not is_model_record(r)}
+    return lambda r: not is_peer_record(r) and not is_model_record(r) and r.get("bench") in benches
+
+
 def is_fallback(r: dict | None) -> bool:
     return bool(r) and str(r.get("route") or "").startswith("fallback")
 

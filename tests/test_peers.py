@@ -337,7 +337,8 @@ def test_model_snapshot_restore_and_graph_step_copy_back():
 
 def test_report_command_merges_device_runs(tmp_path):
     """Two device calls write two JSONs ($OUT starts empty each time); `python -m benchmarks report --add`
-    merges them into the repo's JSON (an op-grid run replaces the old op-grid records) and rebuilds the report."""
+    merges them into the repo's JSON (an op-grid run replaces the old records of the benches it ran) and rebuilds
+    the report."""
     from benchmarks.__main__ import main
 
     base = tmp_path / "H200.json"
@@ -362,6 +363,19 @@ def test_report_command_merges_device_runs(tmp_path):
     text = md.read_text()
     assert "`prefill --peers`" in text and "`model`" in text and "## FLA's KDAForCausalLM" in text
     assert "| KDAForCausalLM 4 layers | train | B=1 T=4096 | fwdbwd | 100.000 ms | 99.000 ms | 1.010 |" in text
+    # an op-grid run of one bench (--only) replaces that bench's records, every shape, and keeps the other benches
+    light = {"op": "chunk_lightning_attn", "bench": "chunk_lightning_attn prefill", "impl": "fla", "mode": "graph",
+             "shape": "B=2 T=8192 H=64", "ms": 0.8, "route": "fla"}
+    c = tmp_path / "c.json"
+    c.write_text(json.dumps([light]))
+    assert main(["report", "--json", str(base), "--md", str(md), "--add", str(c)]) == 0
+    recs = json.load(open(base))
+    assert old_grid in recs and light in recs and len(recs) == 6
+    d = tmp_path / "d.json"
+    d.write_text(json.dumps([dict(light, shape="B=1 T=8192 H=8", ms=0.1)]))
+    assert main(["report", "--json", str(base), "--md", str(md), "--add", str(d)]) == 0
+    recs = json.load(open(base))
+    assert old_grid in recs and light not in recs and len(recs) == 6
 
 
 def test_fla_flash_kda_switched_off(monkeypatch):
