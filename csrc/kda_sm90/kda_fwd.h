@@ -3,10 +3,10 @@
 //
 // v1 ("v1 as built" in docs/kda_sm90.md): one CTA of 256 threads per (sequence n, value head hv,
 // V block of block_v = 64 or 128 columns), chunks of 64 tokens in four 16-token blocks, the state S
-// (128 x block_v fp32) in mma.sync accumulators across chunks. Per chunk: l2norm, beta sigmoid and the bounded sigmoid gate
-// a = lb * sigmoid(exp(A_log) * (g + dt_bias)) fused; integer-anchored gate factors (1.3); Aqk and L on
-// mma.sync m16n8k16 bf16; (I + L)^-1 in fp32 (blocked forward substitution, 1.4); the WY products
-// V' = U - W S, O = Qg S + Aqk V', S = diag(gamma) S + Kd^T V' on mma.sync (1.5).
+// (128 x block_v fp32) in mma.sync accumulators across chunks. Per chunk: l2norm, beta sigmoid and the
+// bounded sigmoid gate a = lb * sigmoid(exp(A_log) * (g + dt_bias)) fused; integer-anchored gate factors
+// (1.3); Aqk and L on mma.sync m16n8k16 bf16; (I + L)^-1 in fp32 (blocked forward substitution, 1.4); the
+// WY products V' = U - W S, O = Qg S + Aqk V', S = diag(gamma) S + Kd^T V' on mma.sync (1.5).
 #pragma once
 
 #include <cstdint>
@@ -39,7 +39,7 @@ struct KdaFwdParams {
   void* Aqk;            // bf16 [B,T,HV,64] or null (grad extras; written by the V block 0 CTAs)
   void* Akk;            // bf16 [B,T,HV,64] or null
   int64_t extras_tok_stride;  // HV * 64
-  long long* phase_cycles;    // [N*HV*128/block_v, kKdaFwdPhases] int64 or null: per CTA, clock64 cycles of each phase
+  long long* phase_cycles;    // [N*HV*128/block_v, kKdaFwdPhases] int64 or null: per CTA, clock64 cycles of a phase
                               // summed over its chunks (thread 0's view, between CTA barriers)
   // problem
   int B, T, N, H, HV;

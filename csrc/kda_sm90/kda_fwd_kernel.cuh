@@ -3,17 +3,17 @@
 // One CTA (8 warps) per (sequence n, value head hv, V block vb of kBV = 64 or 128 columns): every V column
 // of S is an independent recurrence under the same K-side operators, so V blocks of a pair are exact parts
 // (kBV = 64: two CTAs per pair, the K-side prep recomputed by both, twice the CTAs for small grids;
-// kBV = 128: the prep once per pair and the whole 128 x 128 state in one CTA). Per chunk of 64 tokens (rows >= L of a tail: q = k =
-// v = 0, a = 0, beta = 0, never stored), in phases separated by __syncthreads:
+// kBV = 128: the prep once per pair and the whole 128 x 128 state in one CTA). Per chunk of 64 tokens
+// (rows >= L of a tail: q = k = v = 0, a = 0, beta = 0, never stored), in phases separated by __syncthreads:
 //   1 load     q, k, g rows (raw, bf16) and v^T of the V block to smem, beta (sigmoid) per row: for chunk
 //              c + 1 issued during chunk c (cp.async for q, k after phase 5 and g after phase 7 into the
 //              buffers those phases free; v and beta through registers), waited for at the chunk's end
 //   2 prep     a: gate a = lb sigmoid(exp(A_log) (g + dt_bias)) in log2 units, thread = (channel pair, 16-row
 //              block), scanned in registers; b: G = cumsum per channel (block offsets through smem), anchors
-//              A_r = ceil(G_16r), B_s = floor(G_16(s+1)) (B_3 = floor(G_63)), gamma = exp2(G_63); rstd of q, k rows
+//              A_r = ceil(G_16r), B_s = floor(G_16(s+1)) (B_3 = floor(G_63)), gamma = exp2(G_63); q, k row rstd
 //   3 factors  Qe = bf16(scale q^ exp2(G - A_r)), Ke = bf16(k^ exp2(G - A_r)), Kf = bf16(k^ exp2(B_r - G))
 //   4 intra    per 16x16 block (r, s <= r): Aqk = (Qe_r 2^(A_r - B_s)) Kf_s^T, L = b (Ke_r 2^(A_r - B_s)) Kf_s^T
-//              (the power of two is per channel, tabulated in phase 3, applied exactly to the bf16 row operand)
+//              (the power of two per channel, tabulated in phase 3, applied exactly to the bf16 row operand)
 //   5 state-side factors Qg = bf16(scale q^ exp2 G), Kg^T, Kd^T = bf16(k^ exp2(G_63 - G))^T;
 //              inverse X = (I + L)^-1: diagonal 16-blocks by forward substitution, then block rows
 //   6 -W = -(X diag b) Kg
@@ -80,7 +80,7 @@ struct SharedStorage {
     float L[kC][kLdF];                       // beta_i k_i . k_j decayed, strict lower (4-5)
     bf16 vpT[kBV][kLdC];                     // bf16(V')^T [column][token] (7-8): L dead after phase 5
   } u4;
-  alignas(16) float tmp[3][kBC][kBC];         // inverse block-row partial sums (rows of 4 x float4)
+  alignas(16) float tmp[3][kBC][kBC];        // inverse block-row partial sums (rows of 4 x float4)
   bf16 akkb[kC][kLdC];                       // X diag(beta) (5-7)
   float beta[kC];
   float rstd_q[kC];
