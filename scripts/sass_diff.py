@@ -1,8 +1,8 @@
-"""Is the decode kernels' machine code unchanged? ``python scripts/sass_diff.py REV [--extra]``
+"""Is the CuTe DSL kernels' machine code unchanged? ``python scripts/sass_diff.py REV [--extra] [--only NAME]``
 
-Compiles every representative config of fla_cula/kernels/recurrent_decode.py and
-recurrent_decode_mma.py (the union of REV's and the working tree's lists; with --extra, a few more
-gate / dtype variants of the token kernel) for sm_90a on this CPU machine, once from git revision
+Compiles every representative config of fla_cula/kernels/recurrent_decode.py,
+recurrent_decode_mma.py and lightning_prefill.py (the union of REV's and the working tree's lists; with
+--extra, a few more gate / dtype variants of the token kernel) for sm_90a on this CPU machine, once from git revision
 REV and once from the working tree, and compares the SASS instruction by instruction (addresses
 stripped). REV's kernel package is exported to a temporary directory (its modules import each
 other, not the working tree's); both sides compile through the working tree's fla_cula.jit.
@@ -30,7 +30,8 @@ PKG = "fla_cula/kernels"
 REV_PKG = "_sass_diff_rev_kernels"
 # kernel module -> (kernel class, config class)
 KERNELS = {"recurrent_decode": ("RecurrentDecode", "DecodeConfig"),
-           "recurrent_decode_mma": ("RecurrentDecodeMma", "MmaDecodeConfig")}
+           "recurrent_decode_mma": ("RecurrentDecodeMma", "MmaDecodeConfig"),
+           "lightning_prefill": ("LightningPrefill", "LightningPrefillConfig")}
 EXTRA = [
     dict(mode="kda", gate_in_kernel=True, has_A=False, has_bias=True, has_lower_bound=True),
     dict(mode="kda", gate_in_kernel=True, has_A=True, has_bias=False),
@@ -130,6 +131,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("rev", help="git revision to compare the working tree with")
     ap.add_argument("--extra", action="store_true", help="also compare a few more gate / dtype variants")
+    ap.add_argument("--only", choices=sorted(KERNELS), help="compare this kernel module only")
     a = ap.parse_args()
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     os.environ.setdefault("FLA_CULA_CACHE_DIR", tempfile.mkdtemp(prefix="sass_diff_"))
@@ -137,7 +139,7 @@ def main() -> int:
     _rev_package(a.rev)
     same = total = 0
     skipped: list[str] = []
-    for kernel in KERNELS:
+    for kernel in [a.only] if a.only else KERNELS:
         old, new = _module(REV_PKG, kernel), _module("fla_cula.kernels", kernel)
         if old is None or new is None:
             skipped.append(f"{kernel}: only in {'the working tree' if old is None else a.rev}")

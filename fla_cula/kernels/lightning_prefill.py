@@ -133,6 +133,18 @@ def _gemm(tiled_mma, acc, cpy_a, ts_a, tr_a, fr_a, cpy_b, ts_b, tr_b, fr_b):
         cute.gemm(tiled_mma, acc, fr_a[None, None, kb], fr_b[None, None, kb], acc)
 
 
+def _store_p(accA, tAc, sTab, tCsP, DT):
+    """P = mask/decay(Q K^T): accA (C x C accumulator, coordinates tAc) times exp(g (i - j)) = sTab[i - j] where
+    j <= i, 0 above the diagonal, rounded to DT into its shared-memory partition tCsP."""
+    for e in range(cute.size(accA)):  # plain Python: unrolled at trace time (as range_constexpr in a kernel)
+        i, j = tAc[e]
+        f = sTab[cutlass.max(i - j, 0)]
+        accA[e] = cutlass.select_(j <= i, accA[e] * f, Float32(0.0))
+    rP = cute.make_fragment_like(accA, DT)
+    rP.store(accA.load().to(DT))
+    cute.autovec_copy(rP, tCsP)
+
+
 def _stage(buf, st, rows, cols, rstride, transposed=False):
     """Stage st of a 1-D shared-memory buffer holding stages of (rows x cols) tiles with row stride rstride:
     the (rows, cols) view, or its transposed (cols, rows) view (the row dimension outer)."""
@@ -338,13 +350,7 @@ class LightningPrefill:
                     accA = cute.make_rmem_tensor(thr_mma.partition_shape_C((C, C)), Float32)
                     accA.fill(0.0)
                     _gemm(tiled_mma, accA, cpy_a, tsQ, trQ, fQ, cpy_b, tsK, trK, fK)
-                    for e in cutlass.range_constexpr(cute.size(accA)):
-                        i, j = tAc[e]
-                        f = sTab[cutlass.max(i - j, 0)]
-                        accA[e] = cutlass.select_(j <= i, accA[e] * f, Float32(0.0))
-                    rP = cute.make_fragment_like(accA, DT)
-                    rP.store(accA.load().to(DT))
-                    cute.autovec_copy(rP, tCsP)
+                    _store_p(accA, tAc, sTab, tCsP, DT)
 
                     # GEMM 2a: O = exp(g(i+1)) Q S0
                     accO = cute.make_rmem_tensor(thr_mma.partition_shape_C((C, BV)), Float32)
@@ -544,13 +550,7 @@ class LightningPrefill:
                 _wgmma(mma2, accO, fQ2, fS0)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
-                for e in cutlass.range_constexpr(cute.size(accA)):
-                    i, j = tAc[e]
-                    f = sTab[cutlass.max(i - j, 0)]
-                    accA[e] = cutlass.select_(j <= i, accA[e] * f, Float32(0.0))
-                rP = cute.make_fragment_like(accA, DT)
-                rP.store(accA.load().to(DT))
-                cute.autovec_copy(rP, tCsP)
+                _store_p(accA, tAc, sTab, tCsP, DT)
                 for e in cutlass.range_constexpr(cute.size(accO)):
                     i, _ = tOc[e]
                     accO[e] = accO[e] * sTab[i + 1]
