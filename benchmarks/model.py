@@ -18,6 +18,12 @@ Rows (op names of the JSON records):
                       triton.testing.do_bench (L2 flushed). Beside each decode row: the relative
                       RMS of patched vs plain logits, max over DECODE_CHECK_STEPS steps from the
                       same cache with the same fed tokens.
+                      graph_inplace: the same step as a serving engine calls the kernel (vLLM,
+                      SGLang): FLA's layer reaches ``fused_recurrent_kda_fwd(...,
+                      inplace_final_state=True)`` (plain: FLA's; patched: fla_cula's), so the state
+                      is updated in its static buffer and no copy-back runs. Both graph rows carry
+                      `kernels`: GPU time per kernel name over profiled replays of each side's
+                      graph (torch.profiler), to split a row's ratio into the KDA op and the rest.
   kda_model_generate  greedy generate of 64 new tokens after a 64-token prompt, B = 1, 32
                       (HF generate with its attention mask, as a user calls it); ms per generate.
   kda_model_train     one training step B=1 T=4096: forward + loss + backward + AdamW step.
@@ -49,8 +55,8 @@ GENERATE_B = (1, 32)
 PREFILL = (2, 8192)
 TRAIN = (1, 4096)
 DECODE_CHECK_STEPS = 4
-ROWS = ("prefill", "decode", "graph", "generate", "train")
-LAYERS_24_ROWS = ("prefill", "decode", "graph")  # the 24-layer model: no generate / train (time)
+ROWS = ("prefill", "decode", "graph", "graph_inplace", "generate", "train")
+LAYERS_24_ROWS = ("prefill", "decode", "graph", "graph_inplace")  # the 24-layer model: no generate / train (time)
 
 
 def build_model(layers: int, device):
@@ -275,7 +281,59 @@ class GraphStep:
         return _do_bench(g.replay)
 
 
-def row_decode_graph(model, device, B: int, reps: int) -> dict:
+@contextlib.contextmanager
+def serving_state_in_place():
+    """FLA's KDA layer calls ``fused_recurrent_kda`` (a new final-state tensor per step); inside this
+    context it calls ``fused_recurrent_kda_fwd(..., inplace_final_state=True)`` as serving engines do,
+    looked up at call time in FLA's module, so plain runs FLA's and patched runs fla_cula's."""
+    import fla.layers.kda as layer_mod
+    from fla.ops.kda import fused_recurrent as fr
+
+    original = layer_mod.fused_recurrent_kda
+
+    def in_place(q, k, v, g, beta, *, initial_state=None, output_final_state=False, scale=None, **kw):
+        if initial_state is None or not output_final_state:
+            return original(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+                            scale=scale, **kw)
+        return fr.fused_recurrent_kda_fwd(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, scale=scale,
+                                          output_final_state=True, inplace_final_state=True, **kw)
+
+    layer_mod.fused_recurrent_kda = in_place
+    try:
+        yield
+    finally:
+        layer_mod.fused_recurrent_kda = original
+
+
+def kernel_times(fn, n: int = 10) -> dict[str, float]:
+    """µs of GPU time per call of `fn`, per kernel name (torch.profiler over n calls after one warm call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = getattr(e, "cuda_time_total", 0.0)
+        if t:
+            out[e.key] = out.get(e.key, 0.0) + t / n
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def kda_share(kernels: dict[str, float], other: dict[str, float]) -> tuple[float, float]:
+    """(µs of the KDA decode kernels, µs of everything) in one side's profile: FLA's kernel by name,
+    fla_cula's as the kernel names the other side's profile does not have."""
+    total = sum(kernels.values())
+    kda = sum(t for k, t in kernels.items() if "fused_recurrent_kda" in k or k not in other)
+    return kda, total
+
+
+def row_decode_graph(model, device, B: int, reps: int, inplace: bool = False) -> dict:
     from benchmarks.harness import _do_bench
 
     cache, _, nxt = prompt_cache(model, B, device)
@@ -286,7 +344,8 @@ def row_decode_graph(model, device, B: int, reps: int) -> dict:
         set_patched(side == "patched")
         try:
             restore(cache, snap, in_place=False)
-            steps[side] = GraphStep(model, cache, nxt).capture()
+            with serving_state_in_place() if inplace else contextlib.nullcontext():
+                steps[side] = GraphStep(model, cache, nxt).capture()
         except Exception as e:  # noqa: BLE001 - recorded
             errors[side] = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             with contextlib.suppress(Exception):
@@ -309,10 +368,20 @@ def row_decode_graph(model, device, B: int, reps: int) -> dict:
             out.append(st.logits.clone())
         seq[side] = out
     err = max(rel_rms(a, b) for a, b in zip(seq["plain"], seq["patched"], strict=True))
+    kern = {side: kernel_times(st.graph.replay) for side, st in steps.items()}
+    share = {side: kda_share(kern[side], kern["patched" if side == "plain" else "plain"]) for side in kern}
+    split = (f"KDA kernel {share['plain'][0]:.1f} / {share['patched'][0]:.1f} µs of "
+             f"{share['plain'][1]:.1f} / {share['patched'][1]:.1f} µs GPU time (plain / patched, profiled replays)")
+    side_extra = {side: {"kernels_us": {k: round(t, 2) for k, t in kern[side].items()},
+                         "kda_us": share[side][0], "gpu_us": share[side][1]} for side in kern}
+    if inplace:
+        note = f"graph step, state updated in place (fused_recurrent_kda_fwd inplace_final_state=True); {split}"
+        return _pair(samples, {}, {"logits_rel_rms": err}, f"B={B} T=1 (cache of {PROMPT} tokens)", B, 1,
+                     note=note, side_extra=side_extra)
     copy_ms = steps["plain"].copy_back_ms()
+    note = f"graph step incl. the state copy-back into the static buffers ({copy_ms * 1e3:.1f} µs alone); {split}"
     return _pair(samples, {}, {"logits_rel_rms": err}, f"B={B} T=1 (cache of {PROMPT} tokens)", B, 1,
-                 note=f"graph step incl. the state copy-back into the static buffers ({copy_ms * 1e3:.1f} µs alone)",
-                 extra={"copy_back_ms": copy_ms})
+                 note=note, extra={"copy_back_ms": copy_ms}, side_extra=side_extra)
 
 
 def row_generate(model, device, B: int, reps: int) -> dict:
@@ -370,7 +439,7 @@ def row_train(model, device, reps: int) -> dict:
     return _pair(samples, first, {}, f"B={B} T={T}", B, T, note="forward + loss + backward + AdamW step")
 
 
-def _pair(samples, first, patched_extra, shape, B, T, note="", extra=None) -> dict:
+def _pair(samples, first, patched_extra, shape, B, T, note="", extra=None, side_extra=None) -> dict:
     out = {"shape": shape, "B": B, "T": T}
     for side in ("plain", "patched"):
         xs = samples.get(side, [])
@@ -379,6 +448,7 @@ def _pair(samples, first, patched_extra, shape, B, T, note="", extra=None) -> di
         if side == "patched":
             d.update(patched_extra)
         d.update(extra or {})
+        d.update((side_extra or {}).get(side, {}))
         out[side] = d
     return out
 
@@ -391,13 +461,14 @@ def plan(layers: list[int], rows: list[str]) -> list[tuple[int, str, object]]:
         kinds = [r for r in ROWS if r in rows and (n <= 4 or r in LAYERS_24_ROWS)]
         for k in kinds:
             params = {"prefill": [None], "decode": list(DECODE_B), "graph": list(DECODE_B),
-                      "generate": list(GENERATE_B), "train": [None]}[k]
+                      "graph_inplace": list(DECODE_B), "generate": list(GENERATE_B), "train": [None]}[k]
             out += [(n, k, p) for p in params]
     return out
 
 
 OPS = {"prefill": ("kda_model_prefill", "eager"), "decode": ("kda_model_decode", "eager"),
-       "graph": ("kda_model_decode", "graph"), "generate": ("kda_model_generate", "eager"),
+       "graph": ("kda_model_decode", "graph"), "graph_inplace": ("kda_model_decode", "graph_inplace"),
+       "generate": ("kda_model_generate", "eager"),
        "train": ("kda_model_train", "fwdbwd")}
 
 
@@ -406,8 +477,8 @@ def run_one(model, device, kind: str, param, reps: int) -> dict:
         return row_prefill(model, device, reps)
     if kind == "decode":
         return row_decode_eager(model, device, param, reps)
-    if kind == "graph":
-        return row_decode_graph(model, device, param, reps)
+    if kind in ("graph", "graph_inplace"):
+        return row_decode_graph(model, device, param, reps, inplace=kind == "graph_inplace")
     if kind == "generate":
         return row_generate(model, device, param, max(3, reps // 2 + 1))
     if kind == "train":
