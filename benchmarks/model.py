@@ -472,7 +472,14 @@ OPS = {"prefill": ("kda_model_prefill", "eager"), "decode": ("kda_model_decode",
        "train": ("kda_model_train", "fwdbwd")}
 
 
-def run_one(model, device, kind: str, param, reps: int) -> dict:
+# Timed runs per side by row kind when --reps is not given. Graph replays repeat within 0.1%; the eager rows are
+# host-bound or allocator-bound and spread by 5-20% between runs on the H200 (session 12: 4L prefill 16.3-17.8 ms
+# with both sides on FLA's kernels), so they get more ABBA pairs before their median decides a row.
+DEFAULT_REPS = {"prefill": 11, "decode": 11, "graph": 5, "graph_inplace": 5, "generate": 9, "train": 7}
+
+
+def run_one(model, device, kind: str, param, reps: int | None = None) -> dict:
+    reps = DEFAULT_REPS[kind] if reps is None else reps
     if kind == "prefill":
         return row_prefill(model, device, reps)
     if kind == "decode":
@@ -508,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
     p.add_argument("--layers", nargs="+", type=int, default=[4], help="model depths (24: prefill and decode rows)")
-    p.add_argument("--reps", type=int, default=5, help="timed runs per side (generate: half + 1, at least 3)")
+    p.add_argument("--reps", type=int, default=None,
+                   help="timed runs per side (default: DEFAULT_REPS per row kind; generate: half + 1, at least 3)")
     p.add_argument("--out", help="directory for BENCHMARK_<tag>.md and benchmark_<tag>.json (merged into)")
     p.add_argument("--tag", default="H200")
     p.add_argument("--budget", type=float, default=None, help="seconds: start no new row after this")

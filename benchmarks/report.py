@@ -298,6 +298,14 @@ def _jit_txt(j: dict | None) -> str:
     return ", ".join(f"{k} {v}" for k, v in j.items()) or "none"
 
 
+def paired_range(plain: dict, patched: dict) -> tuple[float, float] | None:
+    """min and max of plain_i / patched_i over the ABBA pairs of a model row (sample i of each side was taken
+    next to the other's): the spread machine noise alone puts around the row's speedup."""
+    a, b = plain.get("samples_ms") or [], patched.get("samples_ms") or []
+    r = [x / y for x, y in zip(a, b, strict=False) if x and y]  # a row cut short may lack pairs
+    return (min(r), max(r)) if len(r) >= 2 else None
+
+
 def model_tables(records: list[dict]) -> list[str]:
     """The model benchmark: plain vs patched per row, logits error, fla_cula's routes."""
     recs = [r for r in records if is_model_record(r)]
@@ -313,17 +321,20 @@ def model_tables(records: list[dict]) -> list[str]:
          "the same cache (decode: max over the compared steps). `routes` = fla_cula.status() over the patched "
          "runs of the row (kernel calls vs fallbacks by reason); first run = each side's warm-up (one-time costs: "
          "Triton autotune, fla_cula kernel loads); kernel loads in timed runs = fla_cula.jit disk loads / compiles "
-         "while timing (should be none).", ""]
-    L.append("| model | row | shape | mode | plain | patched | speedup | logits rel RMS | routes (patched) | "
+         "while timing (should be none). pairs = min-max of plain / patched over the alternated pairs of runs: "
+         "the noise band of the row (a speedup below 1 whose band spans 1 is not a measured slowdown).", ""]
+    L.append("| model | row | shape | mode | plain | patched | speedup | pairs | logits rel RMS | routes (patched) | "
              "first run plain / patched | kernel loads in timed runs | note |")
-    L.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (bench, op, shape, mode), impls in rows.items():
         pl, pa = impls.get("plain", {}), impls.get("patched", {})
         note = "; ".join(x for x in (pl.get("note"), pa.get("error") and f"patched: {pa['error']}",
                                      pl.get("error") and f"plain: {pl['error']}") if x)
         err = pa.get("logits_rel_rms")
+        band = paired_range(pl, pa)
         L.append(f"| {bench} | {op.replace('kda_model_', '')} | {shape} | {mode} | {_ms(pl.get('ms'))} | "
                  f"{_ms(pa.get('ms'))} | {_f(speedup(pl.get('ms'), pa.get('ms')), '.3f')} | "
+                 f"{f'{band[0]:.3f}-{band[1]:.3f}' if band else '-'} | "
                  f"{_f(err, '.2e')} | {_routes_txt(pa.get('routes'))} | "
                  f"{_ms(pl.get('first_ms'))} / {_ms(pa.get('first_ms'))} | {_jit_txt(pa.get('jit_timed'))} | "
                  f"{note.replace('|', '/')} |")

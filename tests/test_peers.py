@@ -244,13 +244,14 @@ def test_report_model_table():
     for impl, ms in (("plain", 20.0), ("patched", 18.0)):
         recs.append({"op": "kda_model_decode", "bench": "KDAForCausalLM 4 layers", "impl": impl, "mode": "graph",
                      "shape": "B=128 T=1 (cache of 64 tokens)", "ms": ms, "note": "graph step incl. copy-back",
+                     "samples_ms": [ms, ms * 1.1, ms * 0.9] if impl == "plain" else [ms, ms, ms],
                      "logits_rel_rms": 2e-3 if impl == "patched" else None, "error": None,
                      "routes": {"fused_recurrent_kda": {"kernel": 24, "fallback": {"x y": 1}, "calls": 25}}
                      if impl == "patched" else None})
     md = breport.markdown(recs, {}, {}, {}, "T")
     assert "## FLA's KDAForCausalLM, plain vs fla_cula.patch()" in md
     assert ("| KDAForCausalLM 4 layers | decode | B=128 T=1 (cache of 64 tokens) | graph | 20.000 ms | 18.000 ms | "
-            "1.111 | 2.00e-03 | fused_recurrent_kda: kernel 24, fallback 1 (x y) | - / - | - | "
+            "1.111 | 1.000-1.222 | 2.00e-03 | fused_recurrent_kda: kernel 24, fallback 1 (x y) | - / - | - | "
             "graph step incl. copy-back |") in md
 
 
@@ -381,3 +382,12 @@ def test_report_command_merges_device_runs(tmp_path):
 def test_fla_flash_kda_switched_off(monkeypatch):
     monkeypatch.setenv("FLA_FLASH_KDA", "1")
     assert peers.disable_fla_flash_kda() is True and os.environ["FLA_FLASH_KDA"] == "0"
+
+
+def test_model_paired_range():
+    """The report's noise band: plain_i / patched_i over the pairs, None below two pairs."""
+    from benchmarks import report
+    assert report.paired_range({"samples_ms": [2.0, 3.0, 4.0]}, {"samples_ms": [1.0, 3.0, 5.0]}) == (0.8, 2.0)
+    assert report.paired_range({"samples_ms": [2.0]}, {"samples_ms": [1.0]}) is None
+    assert report.paired_range({}, {"samples_ms": [1.0, 2.0]}) is None
+    assert bmodel.DEFAULT_REPS.keys() == set(bmodel.ROWS)

@@ -154,6 +154,23 @@ __device__ __forceinline__ uint32_t scale_pair(uint32_t x, float s0, float s1) {
   return *reinterpret_cast<uint32_t*>(&r);
 }
 
+// The low / high bf16 of a packed pair as fp32 (exact: bf16 is the top half of an fp32).
+__device__ __forceinline__ float bf16_lo(uint32_t x) { return __int_as_float(int(x << 16)); }
+__device__ __forceinline__ float bf16_hi(uint32_t x) { return __int_as_float(int(x & 0xffff0000u)); }
+
+// One halving level (xor offset 2 M) of a warp reduction of 2 M values per lane: the lane keeps
+// x[e + M] (offset bit set) or x[e] (clear) and adds the partner's copy of it, into x[e], e < M.
+template <int M>
+__device__ __forceinline__ void butterfly_halve(float (&x)[16], int lane) {
+  bool const up = (lane & (2 * M)) != 0;
+#pragma unroll
+  for (int e = 0; e < M; ++e) {
+    float const send = up ? x[e] : x[e + M];
+    float const keep = up ? x[e + M] : x[e];
+    x[e] = keep + __shfl_xor_sync(0xffffffffu, send, 2 * M);
+  }
+}
+
 // 2^x and 1/x on the MUFU unit (ex2/rcp.approx.ftz, <= 2 ulp). Subnormal results flush to 0: every 2^x
 // formed here scales a product that is then below 2^-126 (docs/kda_sm90.md 1.3).
 __device__ __forceinline__ float ex2(float x) {
@@ -391,15 +408,59 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
     __syncthreads();
     mark(0);
 
-    // ---- 2b: G = offset + local scan, anchors A_r = ceil(G_16r), B_s = floor(G_16(s+1)) (B_3 = floor(G_63)),
-    //      gamma = exp2(G_63) | rstd of the q and k rows (warp w: rows w, w + 8, ...)
+    // ---- 2b: rstd of the q and k rows | G = offset + local scan, anchors A_r = ceil(G_16r),
+    //      B_s = floor(G_16(s+1)) (B_3 = floor(G_63)), gamma = exp2(G_63)
+    // rstd: warp w reduces its 8 rows i = w + 8 e at once. Lane l first sums the squares of channels
+    // 4l .. 4l + 3 (in order) of the 16 values x[2 e] (q row i), x[2 e + 1] (k row i). Butterfly levels
+    // 16, 8, 4, 2 halve the values a lane carries: it keeps the half its offset bit selects and adds the
+    // partner's copy of that half (8 + 4 + 2 + 1 shuffles); lane l then carries value l >> 1, and level 1
+    // completes it. Every value gets the xor tree 16, 8, 4, 2, 1 of a per-row butterfly (same bits).
+    {
+      float x[16];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        int const i = warp + 8 * e;
+        uint2 const qa = *reinterpret_cast<uint2 const*>(&sm.u1.raw.q[i][lane * 4]);
+        uint2 const ka = *reinterpret_cast<uint2 const*>(&sm.u1.raw.k[i][lane * 4]);
+        float const q0 = bf16_lo(qa.x), q1 = bf16_hi(qa.x), q2 = bf16_lo(qa.y), q3 = bf16_hi(qa.y);
+        float const k0 = bf16_lo(ka.x), k1 = bf16_hi(ka.x), k2 = bf16_lo(ka.y), k3 = bf16_hi(ka.y);
+        float sq = 0.f, sk = 0.f;
+        sq = fmaf(q0, q0, sq);
+        sk = fmaf(k0, k0, sk);
+        sq = fmaf(q1, q1, sq);
+        sk = fmaf(k1, k1, sk);
+        sq = fmaf(q2, q2, sq);
+        sk = fmaf(k2, k2, sk);
+        sq = fmaf(q3, q3, sq);
+        sk = fmaf(k3, k3, sk);
+        x[2 * e] = sq;
+        x[2 * e + 1] = sk;
+      }
+      butterfly_halve<8>(x, lane);
+      butterfly_halve<4>(x, lane);
+      butterfly_halve<2>(x, lane);
+      butterfly_halve<1>(x, lane);
+      x[0] += __shfl_xor_sync(0xffffffffu, x[0], 1);
+      if ((lane & 1) == 0) {
+        int const v = lane >> 1, i = warp + 8 * (v >> 1);
+        float const rs = p.use_qk_l2norm ? rsqrtf(x[0] + 1e-6f) : 1.f;
+        if (v & 1) {
+          sm.rstd_k[i] = rs;
+        } else {
+          sm.rstd_q[i] = rs;
+        }
+      }
+    }
     {
       int const r = tid >> 6, d = 2 * (tid & 63);
       float2 off = make_float2(0.f, 0.f);
-      for (int t = 0; t < r; ++t) {
-        float2 const bt = *reinterpret_cast<float2 const*>(&sm.blk[t][d]);
-        off.x += bt.x;
-        off.y += bt.y;
+#pragma unroll
+      for (int t = 0; t < 3; ++t) {
+        if (t < r) {
+          float2 const bt = *reinterpret_cast<float2 const*>(&sm.blk[t][d]);
+          off.x += bt.x;
+          off.y += bt.y;
+        }
       }
 #pragma unroll
       for (int u = 0; u < kBC; ++u) {
@@ -418,26 +479,6 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
         sm.anc_b[3][d + 1] = int(floorf(Gr[kBC - 1].y));
         sm.gamma[d] = ex2(Gr[kBC - 1].x);
         sm.gamma[d + 1] = ex2(Gr[kBC - 1].y);
-      }
-    }
-#pragma unroll 2
-    for (int i = warp; i < kC; i += 8) {
-      float sq = 0.f, sk = 0.f;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        float const x = __bfloat162float(sm.u1.raw.q[i][lane * 4 + j]);
-        float const y = __bfloat162float(sm.u1.raw.k[i][lane * 4 + j]);
-        sq = fmaf(x, x, sq);
-        sk = fmaf(y, y, sk);
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        sq += __shfl_xor_sync(0xffffffffu, sq, o);
-        sk += __shfl_xor_sync(0xffffffffu, sk, o);
-      }
-      if (lane == 0) {
-        sm.rstd_q[i] = p.use_qk_l2norm ? rsqrtf(sq + 1e-6f) : 1.f;
-        sm.rstd_k[i] = p.use_qk_l2norm ? rsqrtf(sk + 1e-6f) : 1.f;
       }
     }
     __syncthreads();
@@ -533,7 +574,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
     __syncthreads();
     mark(4);
 
-    // ---- 5b: inverse. Diagonal blocks D_r = (I + L_rr)^-1 (warp r, lane = column), zero upper blocks.
+    // ---- 5b: inverse X = (I + L)^-1 by 16-blocks: X_rr = D_r = (I + L_rr)^-1 (forward substitution) and,
+    //      for s < r, X_rs = -D_r T_rs with T_rs = sum_{t=s}^{r-1} L_rt X_ts (sums over t, then m, in order).
+    //      akkb = bf16(X diag(beta)) (the A operand of phases 6-7): off-diagonal blocks by their producer, the
+    //      diagonal and zero blocks by idle warps in steps 4 and 5 below. Diagonal: warp r < 4, lane = column.
     if (warp < 4) {
       int const r = warp, c = lane & 15, o = 16 * r;
       float x[16];
@@ -548,61 +592,129 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
 #pragma unroll
         for (int i = 0; i < 16; ++i) sm.u1.X[o + i][o + c] = x[i];
       }
-    } else {
-      for (int idx = tid - 128; idx < kC * kC; idx += 128) {
-        int const i = idx >> 6, j = idx & 63;
-        if ((j >> 4) > (i >> 4)) sm.u1.X[i][j] = 0.f;
-      }
     }
     __syncthreads();
-    // block rows: X_rs = -D_r sum_{t=s}^{r-1} L_rt X_ts, s < r. Thread = a 1 x 4 strip (block s, row i,
-    // columns j..j+3): one L element times a float4 of X per step (sums in the order t, m as a scalar loop).
-    for (int r = 1; r < 4; ++r) {
-      bool const on = tid < r * 64;
-      int const s = tid >> 6, i = (tid >> 2) & 15, j = (tid & 3) * 4;
-      if (on) {
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int t = s; t < r; ++t) {
+    // Off-diagonal blocks: a group of 64 threads (grp = warp / 2) computes one block per step, thread = a
+    // 1 x 4 strip (row si, columns sj .. sj + 3): one L element times a float4 of X per fma step. The six
+    // steps follow the longest chain X_10 -> X_20 -> X_30; a chain's earlier terms are summed in earlier
+    // steps (T_30: t = 0, 1, 2 in steps 1, 3, 5 in registers; T_31's t = 1 term through X's unused
+    // upper block (0, 3)); T blocks wait for their D_r product in tmp.
+    {
+      int const grp = warp >> 1, si = (tid >> 2) & 15, sj = (tid & 3) * 4;
+      // acc += L_rt X_ts on the strip (block row r, column block s)
+      auto lx = [&](float4& acc, int r, int t, int s) {
 #pragma unroll
-          for (int m = 0; m < 16; ++m) {
-            float const l = sm.u4.L[16 * r + i][16 * t + m];
-            float4 const x = *reinterpret_cast<float4 const*>(&sm.u1.X[16 * t + m][16 * s + j]);
-            acc.x = fmaf(l, x.x, acc.x);
-            acc.y = fmaf(l, x.y, acc.y);
-            acc.z = fmaf(l, x.z, acc.z);
-            acc.w = fmaf(l, x.w, acc.w);
-          }
+        for (int m = 0; m < 16; ++m) {
+          float const l = sm.u4.L[16 * r + si][16 * t + m];
+          float4 const xv = *reinterpret_cast<float4 const*>(&sm.u1.X[16 * t + m][16 * s + sj]);
+          acc.x = fmaf(l, xv.x, acc.x);
+          acc.y = fmaf(l, xv.y, acc.y);
+          acc.z = fmaf(l, xv.z, acc.z);
+          acc.w = fmaf(l, xv.w, acc.w);
         }
-        *reinterpret_cast<float4*>(&sm.tmp[s][i][j]) = acc;
-      }
-      __syncthreads();
-      if (on) {
+      };
+      auto tmp = [&](int slot) { return reinterpret_cast<float4*>(&sm.tmp[slot][si][sj]); };
+      // X_rs = -D_r T, T in tmp[slot]; X diag(beta) to akkb
+      auto dx = [&](int r, int s, int slot) {
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
         for (int m = 0; m < 16; ++m) {
-          float const x = sm.u1.X[16 * r + i][16 * r + m];
-          float4 const tv = *reinterpret_cast<float4 const*>(&sm.tmp[s][m][j]);
-          acc.x = fmaf(x, tv.x, acc.x);
-          acc.y = fmaf(x, tv.y, acc.y);
-          acc.z = fmaf(x, tv.z, acc.z);
-          acc.w = fmaf(x, tv.w, acc.w);
+          float const xv = sm.u1.X[16 * r + si][16 * r + m];
+          float4 const tv = *reinterpret_cast<float4 const*>(&sm.tmp[slot][m][sj]);
+          acc.x = fmaf(xv, tv.x, acc.x);
+          acc.y = fmaf(xv, tv.y, acc.y);
+          acc.z = fmaf(xv, tv.z, acc.z);
+          acc.w = fmaf(xv, tv.w, acc.w);
         }
-        *reinterpret_cast<float4*>(&sm.u1.X[16 * r + i][16 * s + j]) = make_float4(-acc.x, -acc.y, -acc.z, -acc.w);
+        int const i = 16 * r + si, j = 16 * s + sj;
+        float4 const xn = make_float4(-acc.x, -acc.y, -acc.z, -acc.w);
+        *reinterpret_cast<float4*>(&sm.u1.X[i][j]) = xn;
+        store_pair(&sm.akkb[i][j], xn.x * sm.beta[j], xn.y * sm.beta[j + 1]);
+        store_pair(&sm.akkb[i][j + 2], xn.z * sm.beta[j + 2], xn.w * sm.beta[j + 3]);
+      };
+      float4* const part31 = reinterpret_cast<float4*>(&sm.u1.X[si][48 + sj]);  // X block (0, 3): unused
+      float4 const z4 = make_float4(0.f, 0.f, 0.f, 0.f);
+      float4 acc30 = z4, acc = z4;
+      // step 1: T_30 (t = 0) | T_20 (t = 0, kept in acc) | T_10 -> tmp 0 | T_21 -> tmp 1
+      if (grp == 0) {
+        lx(acc30, 3, 0, 0);
+      } else {
+        int const r = grp == 2 ? 1 : 2, ts = grp == 3 ? 1 : 0;  // (r, t = s): (2, 0) | (1, 0) | (2, 1)
+        lx(acc, r, ts, ts);
+        if (grp >= 2) *tmp(grp - 2) = acc;
       }
       __syncthreads();
+      // step 2: T_32 | T_31 (t = 1) | X_10 | X_21
+      if (grp == 0) {
+        float4 t32 = z4;
+        lx(t32, 3, 2, 2);
+        *tmp(2) = t32;
+      } else if (grp == 1) {
+        float4 t31 = z4;
+        lx(t31, 3, 1, 1);
+        *part31 = t31;
+      } else {
+        dx(grp == 2 ? 1 : 2, grp == 2 ? 0 : 1, grp - 2);
+      }
+      __syncthreads();
+      // step 3: T_30 (t = 1) | T_20 (t = 1) | X_32 | T_31 (t = 2)
+      if (grp == 0) {
+        lx(acc30, 3, 1, 0);
+      } else if (grp == 1) {
+        lx(acc, 2, 1, 0);
+        *tmp(0) = acc;
+      } else if (grp == 2) {
+        dx(3, 2, 2);
+      } else {
+        float4 t31 = *part31;
+        lx(t31, 3, 2, 1);
+        *tmp(1) = t31;
+      }
+      __syncthreads();
+      // step 4: X_20 (warps 2, 3) | X_31 (warps 4, 5) | akkb of the 4 diagonal blocks (warps 0, 1, 6, 7: column
+      //         pairs, 4 blocks x 16 rows x 8 pairs)
+      if (grp == 1) {
+        dx(2, 0, 0);
+      } else if (grp == 2) {
+        dx(3, 1, 1);
+      } else {
+#pragma unroll
+        for (int e = (grp == 0 ? tid : tid - 128); e < 4 * kBC * 8; e += 128) {
+          int const i = 16 * (e >> 7) + ((e >> 3) & 15), j = 16 * (e >> 7) + (e & 7) * 2;
+          float2 const xv = *reinterpret_cast<float2 const*>(&sm.u1.X[i][j]);
+          store_pair(&sm.akkb[i][j], xv.x * sm.beta[j], xv.y * sm.beta[j + 1]);
+        }
+      }
+      __syncthreads();
+      // step 5: T_30 (t = 2) | akkb's 6 zero blocks (rb, cb > rb) (warps 2-7: 6 x 16 rows x 8 pairs)
+      if (grp == 0) {
+        lx(acc30, 3, 2, 0);
+        *tmp(2) = acc30;
+      } else {
+#pragma unroll
+        for (int e = tid - 64; e < 6 * kBC * 8; e += 192) {
+          int const bk = e >> 7, rb = bk < 3 ? 0 : bk < 5 ? 1 : 2, cb = bk < 3 ? bk + 1 : bk < 5 ? bk - 1 : 3;
+          int const i = 16 * rb + ((e >> 3) & 15), j = 16 * cb + (e & 7) * 2;
+          store_pair(&sm.akkb[i][j], 0.f * sm.beta[j], 0.f * sm.beta[j + 1]);
+        }
+      }
+      __syncthreads();
+      // step 6: X_30
+      if (grp == 0) dx(3, 0, 2);
+      __syncthreads();
     }
-    // X diag(beta) as the bf16 A operand; grad extras Akk = bf16(X) (zeros above the diagonal), Aqk
-    for (int idx = tid; idx < kC * kC / 2; idx += kThreads) {
-      int const i = idx >> 5, j = (idx & 31) * 2;
-      float const x0 = sm.u1.X[i][j], x1 = sm.u1.X[i][j + 1];
-      store_pair(&sm.akkb[i][j], x0 * sm.beta[j], x1 * sm.beta[j + 1]);
-      if (extras && i < rows) {
+    // grad extras: Akk = bf16(X) (zeros above the diagonal), Aqk; X is raw q/k's storage (prefetched next)
+    if (extras) {
+      for (int idx = tid; idx < rows * (kC / 2); idx += kThreads) {
+        int const i = idx >> 5, j = (idx & 31) * 2;
+        bool const up = (j >> 4) > (i >> 4);
+        float const x0 = up ? 0.f : sm.u1.X[i][j], x1 = up ? 0.f : sm.u1.X[i][j + 1];
         int64_t const off = (tok0 + i) * p.extras_tok_stride + int64_t(hv) * kC + j;
         store_pair(static_cast<bf16*>(p.Akk) + off, x0, x1);
         *reinterpret_cast<uint32_t*>(static_cast<bf16*>(p.Aqk) + off) = ld32(&sm.aqk[i][j]);
       }
+      __syncthreads();
     }
-    __syncthreads();
     mark(5);
     if (prefetch) issue_qk(chunk + 1);  // u1.raw: X was last read above (barrier between)
 

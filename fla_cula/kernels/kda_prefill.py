@@ -122,13 +122,13 @@ def plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens
 # and backward: the kernel's Aqk/Akk feed FLA's backward, and at B=2 T=200 H=4 dA_log came out at 2.2e-3 relative
 # RMS against FLA's 8.5e-4 (the 1.5x bar: tests/gpu/test_kda_prefill.py::test_grad, H200, session 10), so
 # the grad path waits for that to be understood. Without grad the kernel serves a call when a cost model
-# predicts it below ROUTE_GAIN x FLA's time. Measured on the H200 (session 10, graph replay, docs/kda_sm90.md
-# "v1.1 on the H200"): a CTA takes US_PER_CHUNK[block_v] per 64-token chunk whatever the grid (1 CTA per SM,
+# predicts it below ROUTE_GAIN x FLA's time. Measured on the H200 (graph replay, docs/kda_sm90.md "v1.2 on the
+# H200"): a CTA takes US_PER_CHUNK[block_v] per 64-token chunk whatever the grid (1 CTA per SM,
 # latency-bound phases), so the kernel's time is waves x chunks per CTA; FLA's chunk-parallel kernels take
 # ~FLA_NS_PER_TOKEN_HEAD per token and value head on large calls. The tests set ROUTE_GRAD and turn the model off.
 ROUTE_GRAD = False
 ROUTE_BY_COST = True
-US_PER_CHUNK = {64: 17.0, 128: 21.0}   # B1 T8192 H8 (block_v 64): 2.179 ms / 128; B2 T8192 H64 (128): 2.693 / 128
+US_PER_CHUNK = {64: 15.6, 128: 19.2}   # B2 T8192 H64, 128 chunks per CTA: block_v 64 3.988 ms / 2 waves; 128: 2.453 ms
 FLA_NS_PER_TOKEN_HEAD = 3.21           # FLA 0.6.0, B2 T8192 H64: 3.367 ms / (2 * 8192 * 64)
 ROUTE_GAIN = 0.9
 
