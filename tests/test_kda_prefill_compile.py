@@ -568,7 +568,7 @@ def _emulate(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bs
     ht = torch.full((N, HV, 128, 128), float("nan"))
     Aqk = torch.full((B, T, HV, 64), float("nan"), dtype=torch.bfloat16)
     Akk = torch.full((B, T, HV, 64), float("nan"), dtype=torch.bfloat16)
-    prof = torch.full((N * HV * (128 // block_v), 9), -1, dtype=torch.int64)  # csrc/kda_sm90/kda_fwd.h kKdaFwdPhases
+    prof = torch.full((N * HV * (128 // block_v), 10), -1, dtype=torch.int64)  # csrc/kda_sm90/kda_fwd.h kKdaFwdPhases
     lib.emu_run(ptr(q), ptr(k), ptr(v), ptr(g), ptr(beta), ctypes.c_int(beta.dtype == torch.float32), ptr(A_log),
                 ptr(dt_bias), ptr(h0), ctypes.c_int(svf), ptr(o), ptr(ht), ptr(Aqk), ptr(Akk), B, T, N, H, HV,
                 ctypes.c_float(scale), ctypes.c_float(lb), int(l2), int(bsig), ctypes.c_float(2.0 if neg else 1.0),

@@ -72,7 +72,7 @@ constexpr int kKdaFwdSpecializations = 4;
 // anchored factors (+ block scalars), Aqk+L,
 // state-side factors, inverse (+ X diag b and the grad extras), -W, V' and Qg S, Aqk V' + state update
 // (+ waiting for the next chunk's loads).
-constexpr int kKdaFwdPhases = 9;
+constexpr int kKdaFwdPhases = 10;
 extern KdaFwdSpecialization const kKdaFwdSpecialization[kKdaFwdSpecializations];
 
 }  // namespace fla_cula

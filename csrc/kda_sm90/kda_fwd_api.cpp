@@ -209,7 +209,7 @@ void register_kda_fwd(py::module_& m) {
   m.attr("KDA_FWD_PHASES") = kKdaFwdPhases;
   m.attr("KDA_FWD_PHASE_NAMES") = py::make_tuple("gate + block scan", "scan offsets + anchors + rstd",
                                                  "anchored factors", "Aqk+L", "state factors", "inverse", "-W",
-                                                 "V' + Qg S", "Aqk V' + state (+ load wait)");
+                                                 "V' + Qg S", "Aqk V' + state", "v store + load wait");
 }
 
 }  // namespace fla_cula
