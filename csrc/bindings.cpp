@@ -86,10 +86,11 @@ PYBIND11_MODULE(_C, m) {
           d["profile"] = s.profile;
           d["threads"] = s.threads;
           d["block_v"] = s.block_v;
+          d["wgmma"] = s.wgmma;
           d["smem_bytes"] = s.smem_bytes;
-          // mangled kda_fwd_kernel<GateForm::SigmoidLB, profile, block_v>
+          // mangled kda_fwd_kernel<GateForm::SigmoidLB, profile, block_v, wgmma>
           d["symbol"] = std::string("kda_fwd_kernelILNS0_8GateFormE0ELb") + (s.profile ? "1" : "0") + "ELi" +
-                        std::to_string(s.block_v) + "E";
+                        std::to_string(s.block_v) + "ELb" + (s.wgmma ? "1" : "0") + "E";
           kda_specs.append(d);
         }
         add_family("kda_prefill", "kda_fwd_kernel", kda_specs);

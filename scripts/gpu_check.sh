@@ -26,7 +26,7 @@ export FLA_CULA_COMMIT="${FLA_CULA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/n
 
 T_BUILD="${T_BUILD:-90}"; T_INFO="${T_INFO:-60}"; T_PYTEST="${T_PYTEST:-280}"; T_DEMO="${T_DEMO:-190}"
 T_PARITY="${T_PARITY:-300}"; T_BENCH="${T_BENCH:-300}"
-STEPS=" ${STEPS:-build info pytest demo parity bench} "   # also: training, flatests (not in the default)
+STEPS=" ${STEPS:-build info pytest demo parity bench} "   # also: training, flatests, kdaphases (not in the default)
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 
 declare -a NAMES STATUSES SECS
@@ -88,6 +88,11 @@ want training && step training "${T_TRAINING:-400}" python -m pytest tests/gpu/t
 want flatests && step flatests "${T_FLATESTS:-300}" env ${FLATESTS_ENV:-FLA_CULA=1} timeout -s INT $(( ${T_FLATESTS:-300} - 20 )) \
   python -m pytest -p fla_cula.testing.plugin -p no:cacheprovider -v -rfE .flatests/tests/ops/test_lightning_attn.py \
   .flatests/tests/ops/test_kda.py -k "chunk and not cp and not flash and not naive"
+# the KDA prefill kernel's per-phase cycles, both V widths, the last phase on mma.sync and on wgmma (not in the default)
+kda_phases() {
+  for bv in 128 64; do for w in "" --wgmma; do python -m benchmarks.kda_phases --block-v $bv $w || return 1; done; done
+}
+want kdaphases && step kdaphases "${T_KDAPHASES:-240}" bash -c "$(declare -f kda_phases); kda_phases"
 want demo && step demo "$T_DEMO" python -m fla_cula demo
 # parity stops starting cases 25 s before its limit and reports what it did not run (exit 3)
 want parity && step parity "$T_PARITY" env TRITON_CACHE_DIR="$PARITY_TRITON_CACHE" python -m parity \

@@ -432,7 +432,7 @@ EMULATOR_CPP = r"""
 struct Idx { unsigned x = 0, y = 0, z = 0; };
 thread_local Idx threadIdx;
 Idx blockIdx;
-namespace fla_cula::kda_sm90 { alignas(16) unsigned char smem_raw[232448]; }
+namespace fla_cula::kda_sm90 { alignas(1024) unsigned char smem_raw[232448]; }
 using fla_cula::kda_sm90::smem_raw;
 std::barrier<>* g_bar;
 std::barrier<>* g_wbar[8];
@@ -483,10 +483,32 @@ inline void kda_emulated_mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a
   }
 }
 
+// wgmma m64nNk16 x 4 (K = 64) of the warpgroup, for the thread's own accumulator entries: A and B read as the
+// hardware reads a K-major 128-byte-swizzled tile (the 16-byte chunk j of row r stored at chunk j ^ (r % 8)),
+// each 16-token block summed as kda_emulated_mma sums it
+template <int N>
+inline void kda_emulated_wgmma(float (&acc)[N / 8][4], __nv_bfloat16 const* A, __nv_bfloat16 const* B, int lane,
+                               int wi) {
+  auto at = [](__nv_bfloat16 const* t, int r, int c) {
+    return double(__bfloat162float(t[r * 64 + (((c >> 3) ^ (r & 7)) << 3) + (c & 7)]));
+  };
+  int g = lane >> 2, t = lane & 3;
+  for (int kb = 0; kb < 4; ++kb)
+    for (int nt = 0; nt < N / 8; ++nt)
+      for (int e = 0; e < 4; ++e) {
+        int r = 16 * wi + g + (e >> 1) * 8, col = nt * 8 + 2 * t + (e & 1);
+        double s = 0;
+        for (int k = 0; k < 16; ++k) s += at(A, r, 16 * kb + k) * at(B, col, 16 * kb + k);
+        acc[nt][e] += float(s);
+      }
+}
+
 #define FLA_CULA_KDA_HOST_EMULATION 1
 #include "kda_sm90/kda_fwd_kernel.cuh"
 
 using namespace fla_cula;
+
+extern "C" int emu_sw128(int r, int c) { return kda_sm90::sw128(r, c); }
 
 extern "C" int emu_smem_bytes(int block_v) {
   return block_v == 128 ? kda_sm90::kSmemBytes<128> : kda_sm90::kSmemBytes<64>;
@@ -495,7 +517,7 @@ extern "C" int emu_smem_bytes(int block_v) {
 extern "C" void emu_run(void const* q, void const* k, void const* v, void const* g, void const* beta, int beta_fp32,
                         void const* A_log, void const* dt_bias, float const* h0, int state_v_first, void* o, float* ht,
                         void* Aqk, void* Akk, int B, int T, int N, int H, int HV, float scale, float lb, int l2,
-                        int bsig, float bscale, void const* cu, int cu64, long long* prof, int block_v) {
+                        int bsig, float bscale, void const* cu, int cu64, long long* prof, int block_v, int wgmma) {
   KdaFwdParams p{};
   p.q = q; p.k = k; p.qk_tok_stride = int64_t(H) * 128; p.qk_head_stride = 128;
   p.v = v; p.v_tok_stride = int64_t(HV) * 128; p.v_head_stride = 128;
@@ -518,12 +540,13 @@ extern "C" void emu_run(void const* q, void const* k, void const* v, void const*
     std::memset(smem_raw, 0xff, sizeof(smem_raw));  // poison: NaN-ish bf16/fp32 patterns
     std::vector<std::thread> th;
     for (int t = 0; t < 256; ++t)
-      th.emplace_back([&p, t, block_v] {
+      th.emplace_back([&p, t, block_v, wgmma] {
         threadIdx.x = t;
+        constexpr auto kG = kda_sm90::GateForm::SigmoidLB;
         if (block_v == 128) {
-          kda_sm90::kda_fwd_kernel<kda_sm90::GateForm::SigmoidLB, true, 128>(p);
+          wgmma ? kda_sm90::kda_fwd_kernel<kG, true, 128, true>(p) : kda_sm90::kda_fwd_kernel<kG, true, 128>(p);
         } else {
-          kda_sm90::kda_fwd_kernel<kda_sm90::GateForm::SigmoidLB, true, 64>(p);
+          wgmma ? kda_sm90::kda_fwd_kernel<kG, true, 64, true>(p) : kda_sm90::kda_fwd_kernel<kG, true, 64>(p);
         }
       });
     for (auto& x : th) x.join();
@@ -555,7 +578,7 @@ def emulator(tmp_path_factory):
     return ctypes.CDLL(str(so))
 
 
-def _emulate(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bsig, neg, svf, block_v):
+def _emulate(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bsig, neg, svf, block_v, wgmma=False):
     import ctypes
 
     def ptr(x):
@@ -572,8 +595,71 @@ def _emulate(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bs
     lib.emu_run(ptr(q), ptr(k), ptr(v), ptr(g), ptr(beta), ctypes.c_int(beta.dtype == torch.float32), ptr(A_log),
                 ptr(dt_bias), ptr(h0), ctypes.c_int(svf), ptr(o), ptr(ht), ptr(Aqk), ptr(Akk), B, T, N, H, HV,
                 ctypes.c_float(scale), ctypes.c_float(lb), int(l2), int(bsig), ctypes.c_float(2.0 if neg else 1.0),
-                ptr(cu), int(cu is not None and cu.dtype == torch.int64), ptr(prof), block_v)
+                ptr(cu), int(cu is not None and cu.dtype == torch.int64), ptr(prof), block_v, int(wgmma))
     return o, ht, Aqk, Akk, prof
+
+
+def _emulator_case(case):
+    if case == "fixed-tail-svf":
+        q, k, v, g, beta, A_log, dt_bias, h0 = _inputs(1, 20, 1, 1, "fast", seed=1)
+        h0 = h0.transpose(-1, -2).contiguous()
+        return (q, k, v, g, beta, A_log, dt_bias, h0, None), dict(scale=128 ** -0.5, lb=-5.0, l2=True, bsig=True,
+                                                                 neg=False, svf=True)
+    q, k, v, g, beta, A_log, dt_bias, _ = _inputs(1, 70, 1, 2, "slow", seed=2)
+    cu = torch.tensor([0, 0, 66, 70], dtype=torch.int64)
+    h0 = torch.randn(3, 2, 128, 128, generator=torch.Generator().manual_seed(4)) * 0.5
+    return (q, k, v, g, beta.float(), None, dt_bias, h0, cu), dict(scale=0.1, lb=-2.0, l2=True, bsig=True, neg=True,
+                                                                   svf=False)
+
+
+@pytest.mark.parametrize("block_v", [64, 128])
+@pytest.mark.parametrize("case", ["fixed-tail-svf", "varlen-gva-empty"])
+def test_wgmma_variant_emulated_same_bits(emulator, case, block_v):
+    """The wgmma instantiation (phase 8 on warpgroup MMA, its operand tiles in the 128-byte swizzle) against the
+    mma.sync one, both emulated: the emulated warpgroup product reads the tiles as the hardware does and sums like the
+    emulated mma.sync, so every output must be bit-identical; a tile written or read in the wrong layout is not."""
+    args, kw = _emulator_case(case)
+    ref = _emulate(emulator, *args, block_v=block_v, **kw)[:4]
+    got = _emulate(emulator, *args, block_v=block_v, wgmma=True, **kw)[:4]
+    for name, a, b in zip(("o", "ht", "Aqk", "Akk"), ref, got, strict=True):
+        assert not a.isnan().any() and torch.equal(a, b), name
+
+
+def test_sw128_is_cutes_layout(emulator, tmp_path):
+    """The kernel's swizzled tile addressing (sw128) is CuTe's GMMA::Layout_K_SW128_Atom<bf16> tiled to 128 x 64
+    (through a 1024-byte aligned smem pointer): the layout the wgmma descriptors of kda_fwd_kernel describe."""
+    import ctypes
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    gxx = shutil.which("g++")
+    home = Path(os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda")
+    try:
+        import cutlass_library
+        inc = Path(cutlass_library.__file__).resolve().parent / "source" / "include"
+    except ImportError:
+        inc = Path(os.environ.get("CUTLASS_HOME", "/nonexistent")) / "include"
+    if gxx is None or not (inc / "cute" / "tensor.hpp").is_file() or not (home / "include" / "cccl").is_dir():
+        pytest.skip("g++, the CUTLASS headers or CUDA's cccl headers not found")
+    (tmp_path / "sw.cpp").write_text(r"""
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+alignas(1024) cutlass::bfloat16_t buf[128 * 64];
+extern "C" int cute_sw128(int r, int c) {
+  using namespace cute;
+  auto layout = tile_to_shape(SM90::GMMA::Layout_K_SW128_Atom<cutlass::bfloat16_t>{}, Shape<_128, _64>{});
+  return int(&make_tensor(make_smem_ptr(buf), layout)(r, c) - buf);
+}
+""")
+    so = tmp_path / "libsw.so"
+    r = subprocess.run([gxx, "-std=c++17", "-O1", "-fPIC", "-shared", f"-I{inc}", f"-I{home / 'include'}",
+                        f"-I{home / 'include' / 'cccl'}", str(tmp_path / "sw.cpp"), "-o", str(so)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-4000:]
+    cute = ctypes.CDLL(str(so))
+    bad = [(i, j) for i in range(128) for j in range(64) if cute.cute_sw128(i, j) != emulator.emu_sw128(i, j)]
+    assert not bad, bad[:8]
 
 
 @pytest.mark.parametrize("block_v", [64, 128])

@@ -18,10 +18,10 @@ namespace {
 
 constexpr int kMaxDevices = 64;
 
-template <kda_sm90::GateForm kGate, bool kProfile, int kBV>
+template <kda_sm90::GateForm kGate, bool kProfile, int kBV, bool kWgmma>
 void launch(KdaFwdParams const& a) {
-  auto* kernel = kda_sm90::kda_fwd_kernel<kGate, kProfile, kBV>;
-  constexpr int smem = kda_sm90::kSmemBytes<kBV>;
+  auto* kernel = kda_sm90::kda_fwd_kernel<kGate, kProfile, kBV, kWgmma>;
+  constexpr int smem = kda_sm90::kSmemBytes<kBV, kWgmma>;
   static std::atomic<bool> opted_in[kMaxDevices];
   FLA_CULA_REQUIRE(a.device >= 0 && a.device < kMaxDevices, "kda_fwd: device ordinal out of range");
   if (!opted_in[a.device].load(std::memory_order_acquire)) {
@@ -36,10 +36,14 @@ void launch(KdaFwdParams const& a) {
 }  // namespace
 
 KdaFwdSpecialization const kKdaFwdSpecialization[kKdaFwdSpecializations] = {
-    {"sigmoid_lb", false, kda_sm90::kThreads, 64, kda_sm90::kSmemBytes<64>},
-    {"sigmoid_lb", true, kda_sm90::kThreads, 64, kda_sm90::kSmemBytes<64>},
-    {"sigmoid_lb", false, kda_sm90::kThreads, 128, kda_sm90::kSmemBytes<128>},
-    {"sigmoid_lb", true, kda_sm90::kThreads, 128, kda_sm90::kSmemBytes<128>},
+    {"sigmoid_lb", false, kda_sm90::kThreads, 64, false, kda_sm90::kSmemBytes<64>},
+    {"sigmoid_lb", true, kda_sm90::kThreads, 64, false, kda_sm90::kSmemBytes<64>},
+    {"sigmoid_lb", false, kda_sm90::kThreads, 128, false, kda_sm90::kSmemBytes<128>},
+    {"sigmoid_lb", true, kda_sm90::kThreads, 128, false, kda_sm90::kSmemBytes<128>},
+    {"sigmoid_lb", false, kda_sm90::kThreads, 64, true, kda_sm90::kSmemBytes<64, true>},
+    {"sigmoid_lb", true, kda_sm90::kThreads, 64, true, kda_sm90::kSmemBytes<64, true>},
+    {"sigmoid_lb", false, kda_sm90::kThreads, 128, true, kda_sm90::kSmemBytes<128, true>},
+    {"sigmoid_lb", true, kda_sm90::kThreads, 128, true, kda_sm90::kSmemBytes<128, true>},
 };
 
 void run_kda_fwd(KdaFwdParams const& a) {
@@ -58,11 +62,13 @@ void run_kda_fwd(KdaFwdParams const& a) {
   DeviceGuard guard(a.device);
   require_compute_capability(a.device, 9, 0, "kda_fwd");
   FLA_CULA_BOOL_SWITCH(a.phase_cycles != nullptr, kProfile, [&] {
-    if (a.block_v == 128) {
-      launch<kda_sm90::GateForm::SigmoidLB, kProfile, 128>(a);
-    } else {
-      launch<kda_sm90::GateForm::SigmoidLB, kProfile, 64>(a);
-    }
+    FLA_CULA_BOOL_SWITCH(a.wgmma, kWgmma, [&] {
+      if (a.block_v == 128) {
+        launch<kda_sm90::GateForm::SigmoidLB, kProfile, 128, kWgmma>(a);
+      } else {
+        launch<kda_sm90::GateForm::SigmoidLB, kProfile, 64, kWgmma>(a);
+      }
+    });
   });
 }
 

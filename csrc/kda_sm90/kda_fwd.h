@@ -48,6 +48,7 @@ struct KdaFwdParams {
   void const* cu_seqlens;  // [N+1] int32 or int64, or null (fixed length)
   bool cu_seqlens_int64;
   int block_v;  // V columns per CTA: 64 (N*HV*2 CTAs) or 128 (N*HV CTAs, the K-side prep done once per pair)
+  bool wgmma;   // the last phase's products (O += Aqk V', the state update) on wgmma instead of mma.sync
   int device;   // CUDA ordinal of every tensor
   void* stream; // cudaStream_t of the caller on that device
 };
@@ -64,14 +65,15 @@ struct KdaFwdSpecialization {
   bool profile;      // phase_cycles instrumentation compiled in
   int threads;
   int block_v;       // V columns per CTA
+  bool wgmma;        // phase 8 on wgmma (Params::wgmma)
   int smem_bytes;    // dynamic shared memory per CTA
 };
-constexpr int kKdaFwdSpecializations = 4;
+constexpr int kKdaFwdSpecializations = 8;
 
 // Phases of a chunk timed by phase_cycles, in order: gate + block scan, scan offsets + anchors + rstd,
 // anchored factors (+ block scalars), Aqk+L,
-// state-side factors, inverse (+ X diag b and the grad extras), -W, V' and Qg S, Aqk V' + state update
-// (+ waiting for the next chunk's loads).
+// state-side factors, inverse (+ X diag b and the grad extras), -W, V' and Qg S, Aqk V' + state update,
+// the next chunk's v store and the wait for its copies.
 constexpr int kKdaFwdPhases = 10;
 extern KdaFwdSpecialization const kKdaFwdSpecialization[kKdaFwdSpecializations];
 

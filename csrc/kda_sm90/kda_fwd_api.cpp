@@ -60,7 +60,7 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
                  py::handle A_log_obj, py::handle dt_bias_obj, py::handle h0_obj, py::handle cu_obj, py::handle o_obj,
                  py::handle ht_obj, py::handle Aqk_obj, py::handle Akk_obj, double scale, double lower_bound,
                  bool use_qk_l2norm, bool use_beta_sigmoid, double beta_scale, bool state_v_first,
-                 int block_v, py::handle phase_cycles_obj) {
+                 int block_v, py::handle phase_cycles_obj, bool wgmma) {
   TensorArg q = tensor_arg(q_obj, "q");
   expect_dtype(q, {dtype::kBFloat16});
   expect_ndim(q, 4);
@@ -135,6 +135,7 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
     throw py::value_error("block_v: expected 64 or 128, got " + std::to_string(block_v));
   }
   p.block_v = block_v;
+  p.wgmma = wgmma;
   if (!phase_cycles_obj.is_none()) {
     TensorArg pc = tensor_arg(phase_cycles_obj, "phase_cycles");
     expect_tensor(pc, {dtype::kInt64}, {N * HV * (kHeadDim / block_v), kKdaFwdPhases},
@@ -194,7 +195,7 @@ void register_kda_fwd(py::module_& m) {
         py::arg("A_log"), py::arg("dt_bias"), py::arg("initial_state"), py::arg("cu_seqlens"), py::arg("o"),
         py::arg("final_state"), py::arg("Aqk"), py::arg("Akk"), py::arg("scale"), py::arg("lower_bound"),
         py::arg("use_qk_l2norm"), py::arg("use_beta_sigmoid"), py::arg("beta_scale"), py::arg("state_v_first"),
-        py::arg("block_v") = 64, py::arg("phase_cycles") = py::none(),
+        py::arg("block_v") = 64, py::arg("phase_cycles") = py::none(), py::arg("wgmma") = false,
         "Enqueue the fused KDA prefill forward v1 (csrc/kda_sm90/kda_fwd.h) on the current stream of q's device:\n"
         "bf16 q, k [B,T,H,128], v, raw gate g [B,T,HV,128], raw beta [B,T,HV] (bf16/fp32); gate\n"
         "a = lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) (A_log [HV], dt_bias [HV*128] or None);\n"
@@ -202,6 +203,8 @@ void register_kda_fwd(py::module_& m) {
         "(bf16 [B,T,HV,128]) and, when given, Aqk/Akk (bf16 [B,T,HV,64], FLA's layout). All contiguous.\n"
         "block_v (64 or 128): V columns per CTA (N*HV*128/block_v CTAs; 128 computes the K-side prep once per\n"
         "(sequence, value head), 64 twice but fills more SMs).\n"
+        "wgmma: the last phase's products (O += Aqk V', the state update) on SM90 warpgroup MMA instead of\n"
+        "mma.sync (same math; fp32 accumulation order inside the tensor core may differ).\n"
         "phase_cycles (int64 [N*HV*128/block_v, KDA_FWD_PHASES] or None): per CTA, clock64 cycles of each phase\n"
         "summed over its chunks (KDA_FWD_PHASE_NAMES).\n"
         "TypeError / ValueError for bad arguments (before any CUDA call), RuntimeError for CUDA errors.\n"

@@ -29,6 +29,12 @@
 #include <cstdint>
 
 #include "kda_sm90/kda_fwd.h"
+#ifndef FLA_CULA_KDA_HOST_EMULATION
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#endif
 
 namespace fla_cula::kda_sm90 {
 
@@ -48,9 +54,12 @@ constexpr float kLog2e = 1.4426950408889634f;
 enum class GateForm { SigmoidLB };
 
 // kBV: V columns per CTA (64: two CTAs per (sequence, value head), each recomputing the K-side prep;
-// 128: one CTA does the prep once and carries the whole state)
-template <int kBV>
+// 128: one CTA does the prep once and carries the whole state). kWgmma: the operands of phase 8 (aqk, Kd^T,
+// V'^T: 64 tokens = 128 B per row) in the 128-byte-swizzled K-major layout of the wgmma descriptors (sw128),
+// 1024-byte aligned; otherwise padded rows.
+template <int kBV, bool kWgmma = false>
 struct SharedStorage {
+  static constexpr int kSwAlign = kWgmma ? 1024 : 16;
   bf16 sT[kBV][kLdK];                        // bf16(S)^T [v column][k channel], B operand of W S and Qg S
   union {
     struct {
@@ -72,14 +81,14 @@ struct SharedStorage {
     bf16 Ke[kC][kLdK];                       // (3-4)
     bf16 KgT[kK][kLdC];                      // (5-6)
   } t2;
-  union {
+  union alignas(kSwAlign) {
     bf16 Kf[kC][kLdK];                       // (3-4)
-    bf16 KdT[kK][kLdC];                      // (5-8)
+    bf16 KdT[kK][kLdC];                      // (5-8), sw128
   } t3;
-  bf16 aqk[kC][kLdC];                        // Aqk, masked j <= i (4-8)
-  union {
+  alignas(kSwAlign) bf16 aqk[kC][kLdC];      // Aqk, masked j <= i (4-8), sw128
+  union alignas(kSwAlign) {
     float L[kC][kLdF];                       // beta_i k_i . k_j decayed, strict lower (4-5)
-    bf16 vpT[kBV][kLdC];                     // bf16(V')^T [column][token] (7-8): L dead after phase 5
+    bf16 vpT[kBV][kLdC];                     // bf16(V')^T [column][token] (7-8), sw128: L dead after phase 5
   } u4;
   alignas(16) float tmp[3][kBC][kBC];        // inverse block-row partial sums (rows of 4 x float4)
   bf16 akkb[kC][kLdC];                       // X diag(beta) (5-7)
@@ -97,9 +106,15 @@ struct SharedStorage {
   alignas(16) float pw[kPairs][kK];          // 2^(A_r - B_s) per channel for the pair (r, s <= r) of phase 4
 };
 
-template <int kBV>
-constexpr int kSmemBytes = int(sizeof(SharedStorage<kBV>));
+template <int kBV, bool kWgmma = false>
+constexpr int kSmemBytes = int(sizeof(SharedStorage<kBV, kWgmma>));
 static_assert(kSmemBytes<128> <= 227 * 1024, "shared memory over the SM90 opt-in maximum");
+static_assert(kSmemBytes<128, true> <= 227 * 1024, "shared memory over the SM90 opt-in maximum");
+
+// Element offset of (r, c < 64) in a [rows][64] bf16 tile in wgmma's K-major 128-byte-swizzled layout (CuTe
+// GMMA::Layout_K_SW128_Atom: 128 B rows, the 16-byte chunk index XORed with the row index mod 8; the tile starts
+// 1024-byte aligned). Pairs (c, c + 1), c even, stay adjacent.
+__device__ __forceinline__ int sw128(int r, int c) { return r * 64 + ((((c >> 3) ^ r) & 7) << 3) + (c & 7); }
 
 __device__ __forceinline__ uint32_t ld32(bf16 const* p) { return *reinterpret_cast<uint32_t const*>(p); }
 
@@ -133,6 +148,63 @@ __device__ __forceinline__ void warp_mma_tn(float (&acc)[NT][4], bf16 const* A, 
       mma_bf16_16816(acc[nt], a0, a1, a2, a3, ld32(b), ld32(b + 8));
     }
   }
+}
+
+#ifndef FLA_CULA_KDA_HOST_EMULATION
+namespace wg {
+using Bf = cutlass::bfloat16_t;
+template <int N>
+using Mma = cute::conditional_t<
+    N == 128, cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>,
+    cute::conditional_t<N == 64, cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>,
+                        cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::GMMA::Major::K, cute::GMMA::Major::K>>>;
+
+// the descriptor of the first 16-token block of a [rows][64] SW128 K-major tile (CuTe's canonical layout, as the
+// wgmma operands expect); the block kb starts 32 kb bytes later (+2 kb in the descriptor's address units)
+template <int Rows>
+__device__ __forceinline__ cute::GmmaDescriptor desc(bf16 const* tile) {
+  using namespace cute;
+  auto layout = tile_to_shape(GMMA::Layout_K_SW128_Atom<Bf>{}, Shape<Int<Rows>, Int<64>>{});
+  Tensor t = make_tensor(make_smem_ptr(reinterpret_cast<Bf const*>(tile)), layout);
+  return GMMA::make_gmma_desc<GMMA::Major::K>(local_tile(t, Shape<Int<Rows>, _16>{}, make_coord(0, 0)));
+}
+
+template <int N, size_t... I>
+__device__ __forceinline__ void fma(uint64_t da, uint64_t db, float* d, std::index_sequence<I...>) {
+  Mma<N>::fma(da, db, d[I]..., cute::GMMA::ScaleOut::One);
+}
+}  // namespace wg
+#endif
+
+// acc += A[0:64, 0:64] B[0:N, 0:64]^T on the warpgroup: 4 x wgmma m64nNk16, A and B sw128 tiles in shared
+// memory (K = 64 tokens per row), written through the generic proxy before a fence.proxy.async and a barrier.
+// Warp i of the warpgroup (wi) holds rows 16 wi .. 16 wi + 15; each 8-column block of its accumulator is laid
+// out as an mma.sync m16n8 C fragment, so acc[nt] means what it means in warp_mma_tn. Returns with acc final.
+template <int N>
+__device__ __forceinline__ void wg_mma_tn(float (&acc)[N / 8][4], bf16 const* A, bf16 const* B, int lane, int wi) {
+#ifdef FLA_CULA_KDA_HOST_EMULATION
+  kda_emulated_wgmma<N>(acc, A, B, lane, wi);
+#else
+  static_assert(N == 32 || N == 64 || N == 128, "wgmma N");
+  float* d = &acc[0][0];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) cute::warpgroup_fence_operand(d[i]);
+  cute::warpgroup_arrive();
+  cute::GmmaDescriptor da = wg::desc<64>(A), db = wg::desc<N>(B);
+#pragma unroll
+  for (int kb = 0; kb < kC / 16; ++kb) {  // 16 tokens = 32 bytes = 2 descriptor address units along K
+    cute::GmmaDescriptor a = da, b = db;
+    a.reg32_[0] += 2 * kb;
+    b.reg32_[0] += 2 * kb;
+    wg::fma<N>(a.desc_, b.desc_, d, std::make_index_sequence<N / 2>{});
+  }
+  cute::warpgroup_commit_batch();
+  cute::warpgroup_wait<0>();
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) cute::warpgroup_fence_operand(d[i]);
+#endif
+  (void)lane;
+  (void)wi;
 }
 
 template <int NT>
@@ -226,14 +298,31 @@ __device__ __forceinline__ void cp_async_wait_all() {
 
 // kProfile: the phase_cycles instrumentation is compiled in (a separate instantiation, so the timed-off
 // kernel keeps its registers and schedule).
-template <GateForm kGate, bool kProfile, int kBV>
+template <GateForm kGate, bool kProfile, int kBV, bool kWgmma = false>
 __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const p) {
   static_assert(kBV == 64 || kBV == 128, "V columns per CTA: 64 or 128");
   constexpr int kVBlocks = kK / kBV;
   constexpr int kNS = kBV / 8;   // n-tiles of 8 columns of the state rows a warp owns
   constexpr int kNO = kBV / 16;  // n-tiles of the V' / O tile a warp owns (half of the columns)
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  SharedStorage<kBV>& sm = *reinterpret_cast<SharedStorage<kBV>*>(smem_raw);
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  SharedStorage<kBV, kWgmma>& sm = *reinterpret_cast<SharedStorage<kBV, kWgmma>*>(smem_raw);
+#ifndef FLA_CULA_KDA_HOST_EMULATION
+  // the swizzle of the wgmma tiles is a function of the shared-memory address: a base off 1024 B would make every
+  // product silently wrong, so stop instead (SM90 starts dynamic shared memory 1024-byte aligned)
+  if constexpr (kWgmma) {
+    if (cute::cast_smem_ptr_to_uint(smem_raw) & 1023u) __trap();
+  }
+#endif
+  // the phase-8 operand tiles, element (row, token): padded rows, or (kWgmma) the wgmma layout
+  auto aqk_at = [&](int i, int j) -> bf16& {
+    if constexpr (kWgmma) return (&sm.aqk[0][0])[sw128(i, j)]; else return sm.aqk[i][j];
+  };
+  auto kdT_at = [&](int d, int i) -> bf16& {
+    if constexpr (kWgmma) return (&sm.t3.KdT[0][0])[sw128(d, i)]; else return sm.t3.KdT[d][i];
+  };
+  auto vpT_at = [&](int c, int i) -> bf16& {
+    if constexpr (kWgmma) return (&sm.u4.vpT[0][0])[sw128(c, i)]; else return sm.u4.vpT[c][i];
+  };
 
   int const tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   int const g8 = lane >> 2, t4 = lane & 3;
@@ -280,7 +369,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
   // aqk above the diagonal blocks (s > r) is zero in every chunk: written once (phase 4 skips those blocks)
   for (int e = tid; e < kC * kC; e += kThreads) {
     int const i = e >> 6, j = e & (kC - 1);
-    if ((j >> 4) > (i >> 4)) sm.aqk[i][j] = __float2bfloat16_rn(0.f);
+    if ((j >> 4) > (i >> 4)) aqk_at(i, j) = __float2bfloat16_rn(0.f);
   }
 
   // per-channel gate constants (read by phase 2a; first written here, before the first barrier)
@@ -541,7 +630,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
           if (is_l) {
             sm.u4.L[i][j] = j < i ? sm.beta[i] * acc[nt][e] : 0.f;
           } else {
-            sm.aqk[i][j] = __float2bfloat16_rn(j <= i ? acc[nt][e] : 0.f);
+            aqk_at(i, j) = __float2bfloat16_rn(j <= i ? acc[nt][e] : 0.f);
           }
         }
       }
@@ -569,8 +658,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
       store_pair(&sm.u3.t1[i + 1][d], q1.x * sq1 * e10, q1.y * sq1 * e11);
       store_pair(&sm.t2.KgT[d][i], k0.x * sk0 * e00, k1.x * sk1 * e10);
       store_pair(&sm.t2.KgT[d + 1][i], k0.y * sk0 * e01, k1.y * sk1 * e11);
-      store_pair(&sm.t3.KdT[d][i], k0.x * sk0 * ex2(G63.x - G0.x), k1.x * sk1 * ex2(G63.x - G1.x));
-      store_pair(&sm.t3.KdT[d + 1][i], k0.y * sk0 * ex2(G63.y - G0.y), k1.y * sk1 * ex2(G63.y - G1.y));
+      store_pair(&kdT_at(d, i), k0.x * sk0 * ex2(G63.x - G0.x), k1.x * sk1 * ex2(G63.x - G1.x));
+      store_pair(&kdT_at(d + 1, i), k0.y * sk0 * ex2(G63.y - G0.y), k1.y * sk1 * ex2(G63.y - G1.y));
     }
     __syncthreads();
     mark(4);
@@ -712,7 +801,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
         float const x0 = up ? 0.f : sm.u1.X[i][j], x1 = up ? 0.f : sm.u1.X[i][j + 1];
         int64_t const off = (tok0 + i) * p.extras_tok_stride + int64_t(hv) * kC + j;
         store_pair(static_cast<bf16*>(p.Akk) + off, x0, x1);
-        *reinterpret_cast<uint32_t*>(static_cast<bf16*>(p.Aqk) + off) = ld32(&sm.aqk[i][j]);
+        *reinterpret_cast<uint32_t*>(static_cast<bf16*>(p.Aqk) + off) = ld32(&aqk_at(i, j));
       }
       __syncthreads();
     }
@@ -735,8 +824,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
     __syncthreads();
     mark(6);
 
-    // ---- 7: V' = (X diag b) V - W bf16(S) ; O = Qg bf16(S). 64 x kBV, warp = (row tile w/2, kBV/2 columns)
-    int const mt = warp >> 1, nb = (warp & 1) * (kBV / 2);
+    // ---- 7: V' = (X diag b) V - W bf16(S) ; O = Qg bf16(S). 64 x kBV, warp = (row tile, kBV/2 columns): row tile
+    //      w/2 and column half w%2, or (kWgmma) row tile w%4 and column half w/4, as phase 8's warpgroup MMA holds O
+    int const mt = kWgmma ? (warp & 3) : (warp >> 1), nb = (kWgmma ? (warp >> 2) : (warp & 1)) * (kBV / 2);
     float o_acc[kNO][4];
     {
       float vp[kNO][4];
@@ -748,12 +838,16 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           int const i = 16 * mt + g8 + (e >> 1) * 8, c = nb + nt * 8 + 2 * t4 + (e & 1);
-          sm.u4.vpT[c][i] = __float2bfloat16_rn(vp[nt][e]);
+          vpT_at(c, i) = __float2bfloat16_rn(vp[nt][e]);
         }
       }
     }
     zero(o_acc);  // after V' is stored: its accumulators and O's are not live at once
     warp_mma_tn<kNO, kK>(o_acc, &sm.u3.t1[16 * mt][0], kLdK, &sm.sT[nb][0], kLdK, lane);
+#ifndef FLA_CULA_KDA_HOST_EMULATION
+    // the operand tiles of phase 8 (aqk, Kd^T, V'^T), written through the generic proxy, become visible to wgmma
+    if constexpr (kWgmma) cutlass::arch::fence_view_async_shared();
+#endif
     __syncthreads();
     mark(7);
     if (prefetch) {
@@ -761,8 +855,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
       load_vb(chunk + 1);  // into registers; vT / beta are stored after phase 8
     }
 
-    // ---- 8: O += Aqk V' (store rows < `rows`); S = diag(gamma) S + Kd^T V'; bf16(S)^T for the next chunk
-    warp_mma_tn<kNO, kC>(o_acc, &sm.aqk[16 * mt][0], kLdC, &sm.u4.vpT[nb][0], kLdC, lane);
+    // ---- 8: O += Aqk V' (store rows < `rows`); S = diag(gamma) S + Kd^T V'; bf16(S)^T for the next chunk.
+    //      kWgmma: each warpgroup multiplies its 64 x kBV/2 block of O and its 64 state rows on wgmma
+    if constexpr (kWgmma) {
+      wg_mma_tn<kBV / 2>(o_acc, &sm.aqk[0][0], &sm.u4.vpT[0][0] + nb * kC, lane, warp & 3);
+    } else {
+      warp_mma_tn<kNO, kC>(o_acc, &sm.aqk[16 * mt][0], kLdC, &sm.u4.vpT[nb][0], kLdC, lane);
+    }
 #pragma unroll
     for (int nt = 0; nt < kNO; ++nt) {
       int const i = 16 * mt + g8, c = nb + nt * 8 + 2 * t4;
@@ -779,7 +878,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
         S[nt][2] *= gm1;
         S[nt][3] *= gm1;
       }
-      warp_mma_tn<kNS, kC>(S, &sm.t3.KdT[warp * 16][0], kLdC, &sm.u4.vpT[0][0], kLdC, lane);
+      if constexpr (kWgmma) {
+        wg_mma_tn<kBV>(S, &sm.t3.KdT[0][0] + (warp >> 2) * 64 * kC, &sm.u4.vpT[0][0], lane, warp & 3);
+      } else {
+        warp_mma_tn<kNS, kC>(S, &sm.t3.KdT[warp * 16][0], kLdC, &sm.u4.vpT[0][0], kLdC, lane);
+      }
 #pragma unroll
       for (int nt = 0; nt < kNS; ++nt) {
         int const c = nt * 8 + 2 * t4;

@@ -45,14 +45,19 @@ _BF16 = torch.bfloat16
 _PARAM_DTYPES = (torch.float32, torch.bfloat16)
 
 
-_TUNING = {"block_v": None}   # None: block_v_for(); 64 or 128: forced (tests, benchmarks)
+# block_v None: block_v_for(); 64 or 128: forced (tests, benchmarks). wgmma: the last phase's products on
+# warpgroup MMA (docs/kda_sm90.md "v2 step 1"), off until measured on the H200.
+_TUNING = {"block_v": None, "wgmma": False}
 
 
-def set_tuning(block_v: int | None = None) -> None:
-    """Force the V columns per CTA (64 or 128) for every call; None (no argument): chosen per call."""
+def set_tuning(block_v: int | None = None, wgmma: bool = False) -> None:
+    """Force the V columns per CTA (64 or 128) for every call (None: chosen per call) and pick the last phase's
+    instruction (wgmma or mma.sync); no argument: the defaults."""
     if block_v not in (None, 64, 128):
         raise ValueError(f"block_v={block_v!r}: expected None, 64 or 128")
-    _TUNING["block_v"] = block_v
+    if not isinstance(wgmma, bool):
+        raise TypeError(f"wgmma: expected a bool, got {type(wgmma).__name__}")
+    _TUNING.update(block_v=block_v, wgmma=wgmma)
 
 
 @functools.lru_cache(maxsize=16)
@@ -202,7 +207,7 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seq
     if not need_grad:
         _C.kda_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o, ht, None, None, cfg.scale,
                    cfg.lower_bound, cfg.use_qk_l2norm_in_kernel, cfg.use_beta_sigmoid_in_kernel, beta_scale,
-                   cfg.state_v_first, block_v=bv)
+                   cfg.state_v_first, block_v=bv, wgmma=_TUNING["wgmma"])
         return KDAForward(o, ht)
 
     # Grad: what FLA's backward reads, made by FLA's own functions; the kernel runs on those tensors.
@@ -215,7 +220,7 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seq
     Aqk = torch.empty(B, T, HV, CHUNK, dtype=k.dtype, device=dev)
     Akk = torch.empty(B, T, HV, CHUNK, dtype=k.dtype, device=dev)
     _C.kda_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o, ht, Aqk, Akk, cfg.scale,
-               cfg.lower_bound, False, False, 1.0, cfg.state_v_first, block_v=bv)
+               cfg.lower_bound, False, False, 1.0, cfg.state_v_first, block_v=bv, wgmma=_TUNING["wgmma"])
     chunk_indices = None
     if cu_seqlens is not None:
         chunk_indices = prepare_chunk_indices(cu_seqlens=cu_seqlens, chunk_size=CHUNK, cu_seqlens_cpu=cu_seqlens_cpu)
@@ -260,7 +265,8 @@ def phase_profile(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, c
     cycles = torch.zeros(N * HV * (HEAD_DIM // bv), _C.KDA_FWD_PHASES, dtype=torch.int64, device=q.device)
     _C.kda_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o, None, None, None, cfg.scale,
                cfg.lower_bound, cfg.use_qk_l2norm_in_kernel, cfg.use_beta_sigmoid_in_kernel,
-               2.0 if cfg.allow_neg_eigval else 1.0, cfg.state_v_first, block_v=bv, phase_cycles=cycles)
+               2.0 if cfg.allow_neg_eigval else 1.0, cfg.state_v_first, block_v=bv, phase_cycles=cycles,
+               wgmma=_TUNING["wgmma"])
     lens = torch.full((N,), T, dtype=torch.int64) if cu_seqlens is None else (cu_seqlens[1:] - cu_seqlens[:-1]).cpu()
     chunks = ((lens + CHUNK - 1) // CHUNK).repeat_interleave(HV * (HEAD_DIM // bv)).to(torch.float64)
     busy = chunks > 0

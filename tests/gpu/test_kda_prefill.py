@@ -451,6 +451,27 @@ def test_block_v_64_and_128_same_bits(c, strict_mode, fla_fns):
     assert (outs[64][1] is None and outs[128][1] is None) or torch.equal(outs[64][1], outs[128][1])
 
 
+@pytest.mark.parametrize("bv", [64, 128])
+@pytest.mark.parametrize("c", _params(BLOCK_V_CASES, {"T65-B1-vfirst", "empty-mid-i64"}))
+def test_wgmma_variant(c, bv, strict_mode, fla_fns):
+    """The last phase on wgmma (set_tuning(wgmma=True)) passes the fp64 / FLA bars on its own and stays within a few
+    bf16 roundings of the mma.sync kernel (both accumulate each 16-token product in fp32; the tensor cores may add
+    in another order, so bit equality is not required: a wrong tile layout or descriptor is off by O(1))."""
+    from fla_cula.kernels import kda_prefill
+    outs = {}
+    try:
+        for w in (False, True):
+            kda_prefill.set_tuning(block_v=bv, wgmma=w)
+            fla_cula.reset_status()
+            _, o, ht, _ = check_forward(c, fla_fns)
+            outs[w] = (o, ht)
+    finally:
+        kda_prefill.set_tuning()
+    assert rel_rms(outs[False][0].float(), outs[True][0].float()) < 2e-3
+    if outs[False][1] is not None:
+        assert rel_rms(outs[False][1], outs[True][1]) < 1e-3
+
+
 def test_block_v_choice():
     """One wave of 64-column CTAs while they fit the SMs, else 128 (the prep once per pair)."""
     from fla_cula.kernels import kda_prefill
