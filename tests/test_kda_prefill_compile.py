@@ -483,22 +483,24 @@ inline void kda_emulated_mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a
   }
 }
 
-// wgmma m64nNk16 x 4 (K = 64) of the warpgroup, for the thread's own accumulator entries: A and B read as the
-// hardware reads a K-major 128-byte-swizzled tile (the 16-byte chunk j of row r stored at chunk j ^ (r % 8)),
-// each 16-token block summed as kda_emulated_mma sums it
-template <int N>
+// wgmma m64nNk16 x K / 16 of the warpgroup, for the thread's own accumulator entries: A and B read as the
+// hardware reads a K-major 128-byte-swizzled tile (the 16-byte chunk j of row r stored at chunk j ^ (r % 8); a
+// second 64-column atom `rows` rows further), each 16-column block summed as kda_emulated_mma sums it
+template <int N, int K, int BRows>
 inline void kda_emulated_wgmma(float (&acc)[N / 8][4], __nv_bfloat16 const* A, __nv_bfloat16 const* B, int lane,
                                int wi) {
-  auto at = [](__nv_bfloat16 const* t, int r, int c) {
-    return double(__bfloat162float(t[r * 64 + (((c >> 3) ^ (r & 7)) << 3) + (c & 7)]));
+  // column c of row r of a tile whose 64-column halves lie `rows` rows apart
+  auto at = [](__nv_bfloat16 const* t, int rows, int r, int c) {
+    int const c6 = c & 63;
+    return double(__bfloat162float(t[(c >> 6) * rows * 64 + r * 64 + (((c6 >> 3) ^ (r & 7)) << 3) + (c6 & 7)]));
   };
   int g = lane >> 2, t = lane & 3;
-  for (int kb = 0; kb < 4; ++kb)
+  for (int kb = 0; kb < K / 16; ++kb)
     for (int nt = 0; nt < N / 8; ++nt)
       for (int e = 0; e < 4; ++e) {
         int r = 16 * wi + g + (e >> 1) * 8, col = nt * 8 + 2 * t + (e & 1);
         double s = 0;
-        for (int k = 0; k < 16; ++k) s += at(A, r, 16 * kb + k) * at(B, col, 16 * kb + k);
+        for (int k = 0; k < 16; ++k) s += at(A, 64, r, 16 * kb + k) * at(B, BRows, col, 16 * kb + k);
         acc[nt][e] += float(s);
       }
 }
@@ -509,6 +511,9 @@ inline void kda_emulated_wgmma(float (&acc)[N / 8][4], __nv_bfloat16 const* A, _
 using namespace fla_cula;
 
 extern "C" int emu_sw128(int r, int c) { return kda_sm90::sw128(r, c); }
+extern "C" int emu_sw128k(int rows, int r, int c) {
+  return rows == 64 ? kda_sm90::sw128k<64>(r, c) : kda_sm90::sw128k<128>(r, c);
+}
 
 extern "C" int emu_smem_bytes(int block_v) {
   return block_v == 128 ? kda_sm90::kSmemBytes<128> : kda_sm90::kSmemBytes<64>;
@@ -626,8 +631,9 @@ def test_wgmma_variant_emulated_same_bits(emulator, case, block_v):
 
 
 def test_sw128_is_cutes_layout(emulator, tmp_path):
-    """The kernel's swizzled tile addressing (sw128) is CuTe's GMMA::Layout_K_SW128_Atom<bf16> tiled to 128 x 64
-    (through a 1024-byte aligned smem pointer): the layout the wgmma descriptors of kda_fwd_kernel describe."""
+    """The kernel's swizzled tile addressing (sw128, sw128k) is CuTe's GMMA::Layout_K_SW128_Atom<bf16> tiled to
+    128 x 64, 64 x 128 and 128 x 128 (through a 1024-byte aligned smem pointer): the layout the wgmma descriptors of
+    kda_fwd_kernel describe."""
     import ctypes
     import shutil
     import subprocess
@@ -645,11 +651,16 @@ def test_sw128_is_cutes_layout(emulator, tmp_path):
     (tmp_path / "sw.cpp").write_text(r"""
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
-alignas(1024) cutlass::bfloat16_t buf[128 * 64];
-extern "C" int cute_sw128(int r, int c) {
+alignas(1024) cutlass::bfloat16_t buf[128 * 128];
+template <int Rows, int Cols>
+int offset(int r, int c) {
   using namespace cute;
-  auto layout = tile_to_shape(SM90::GMMA::Layout_K_SW128_Atom<cutlass::bfloat16_t>{}, Shape<_128, _64>{});
+  auto layout = tile_to_shape(SM90::GMMA::Layout_K_SW128_Atom<cutlass::bfloat16_t>{}, Shape<Int<Rows>, Int<Cols>>{});
   return int(&make_tensor(make_smem_ptr(buf), layout)(r, c) - buf);
+}
+extern "C" int cute_sw128(int rows, int cols, int r, int c) {
+  if (cols == 64) return offset<128, 64>(r, c);
+  return rows == 64 ? offset<64, 128>(r, c) : offset<128, 128>(r, c);
 }
 """)
     so = tmp_path / "libsw.so"
@@ -658,7 +669,10 @@ extern "C" int cute_sw128(int r, int c) {
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]
     cute = ctypes.CDLL(str(so))
-    bad = [(i, j) for i in range(128) for j in range(64) if cute.cute_sw128(i, j) != emulator.emu_sw128(i, j)]
+    bad = [(i, j) for i in range(128) for j in range(64) if cute.cute_sw128(128, 64, i, j) != emulator.emu_sw128(i, j)]
+    for rows in (64, 128):  # [rows][128] tiles (Wn, Qg: 64 rows; S^T: 128), two atoms along K
+        bad += [(rows, i, j) for i in range(rows) for j in range(128)
+                if cute.cute_sw128(rows, 128, i, j) != emulator.emu_sw128k(rows, i, j)]
     assert not bad, bad[:8]
 
 

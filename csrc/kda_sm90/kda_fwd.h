@@ -6,7 +6,8 @@
 // (128 x block_v fp32) in mma.sync accumulators across chunks. Per chunk: l2norm, beta sigmoid and the
 // bounded sigmoid gate a = lb * sigmoid(exp(A_log) * (g + dt_bias)) fused; integer-anchored gate factors
 // (1.3); Aqk and L on mma.sync m16n8k16 bf16; (I + L)^-1 in fp32 (blocked forward substitution, 1.4); the
-// WY products V' = U - W S, O = Qg S + Aqk V', S = diag(gamma) S + Kd^T V' on mma.sync (1.5).
+// WY products V' = U - W S, O = Qg S + Aqk V', S = diag(gamma) S + Kd^T V' on mma.sync (1.5), or with
+// Params::wgmma on SM90 warpgroup MMA (docs/kda_sm90.md "v2 step 1").
 #pragma once
 
 #include <cstdint>

@@ -22,7 +22,7 @@
 //   9 v^T and beta of chunk + 1 from registers to smem; wait for its cp.async copies (q, k, g)
 // Every exponent formed is <= 0 except the block scalars 2^(A_r - B_s) <= 2^118 for lb >= -5
 // (docs/kda_sm90.md 1.3): nothing overflows. Products are warp-level mma.sync m16n8k16 over smem tiles
-// (warp_mma_tn), so WGMMA/TMA can replace them one by one.
+// (warp_mma_tn); with kWgmma those of phases 6-8 are warpgroup MMAs (wg_mma_tn) over 128-byte-swizzled tiles.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -54,13 +54,12 @@ constexpr float kLog2e = 1.4426950408889634f;
 enum class GateForm { SigmoidLB };
 
 // kBV: V columns per CTA (64: two CTAs per (sequence, value head), each recomputing the K-side prep;
-// 128: one CTA does the prep once and carries the whole state). kWgmma: the operands of phase 8 (aqk, Kd^T,
-// V'^T: 64 tokens = 128 B per row) in the 128-byte-swizzled K-major layout of the wgmma descriptors (sw128),
-// 1024-byte aligned; otherwise padded rows.
+// 128: one CTA does the prep once and carries the whole state). kWgmma: the operand tiles of phases 6-8 (marked
+// sw128) in the 128-byte-swizzled K-major layout of the wgmma descriptors, 1024-byte aligned; otherwise padded rows.
 template <int kBV, bool kWgmma = false>
 struct SharedStorage {
   static constexpr int kSwAlign = kWgmma ? 1024 : 16;
-  bf16 sT[kBV][kLdK];                        // bf16(S)^T [v column][k channel], B operand of W S and Qg S
+  alignas(kSwAlign) bf16 sT[kBV][kLdK];      // bf16(S)^T [v column][k channel], B operand of W S and Qg S, sw128
   union {
     struct {
       bf16 q[kC][kLdK];                      // raw q rows (phases 1-5)
@@ -68,18 +67,18 @@ struct SharedStorage {
     } raw;
     alignas(16) float X[kC][kLdF];           // (I + L)^-1 (phase 5-): raw q/k dead after the phase-5 factors
   } u1;
-  union {
+  union alignas(kSwAlign) {
     alignas(16) float G[kC][kLdG];           // gate cumsum (phases 2-5)
-    bf16 Wn[kC][kLdK];                       // -W (phase 6-7): G dead after phase 5
+    bf16 Wn[kC][kLdK];                       // -W (phase 6-7), sw128: G dead after phase 5
   } u2;
-  bf16 vT[kBV][kLdC];                        // v^T of the V block [column][token]
-  union {
+  alignas(kSwAlign) bf16 vT[kBV][kLdC];      // v^T of the V block [column][token], sw128
+  union alignas(kSwAlign) {
     bf16 graw[kC][kLdK];                     // raw gate rows (phases 1-2)
-    bf16 t1[kC][kLdK];                       // Qe (3-4), then Qg (5-7): graw dead after phase 2
+    bf16 t1[kC][kLdK];                       // Qe (3-4), then Qg (5-7), sw128: graw dead after phase 2
   } u3;
-  union {
+  union alignas(kSwAlign) {
     bf16 Ke[kC][kLdK];                       // (3-4)
-    bf16 KgT[kK][kLdC];                      // (5-6)
+    bf16 KgT[kK][kLdC];                      // (5-6), sw128
   } t2;
   union alignas(kSwAlign) {
     bf16 Kf[kC][kLdK];                       // (3-4)
@@ -91,7 +90,7 @@ struct SharedStorage {
     bf16 vpT[kBV][kLdC];                     // bf16(V')^T [column][token] (7-8), sw128: L dead after phase 5
   } u4;
   alignas(16) float tmp[3][kBC][kBC];        // inverse block-row partial sums (rows of 4 x float4)
-  bf16 akkb[kC][kLdC];                       // X diag(beta) (5-7)
+  alignas(kSwAlign) bf16 akkb[kC][kLdC];     // X diag(beta) (5-7), sw128
   float beta[kC];
   float rstd_q[kC];
   float rstd_k[kC];
@@ -114,7 +113,10 @@ static_assert(kSmemBytes<128, true> <= 227 * 1024, "shared memory over the SM90 
 // Element offset of (r, c < 64) in a [rows][64] bf16 tile in wgmma's K-major 128-byte-swizzled layout (CuTe
 // GMMA::Layout_K_SW128_Atom: 128 B rows, the 16-byte chunk index XORed with the row index mod 8; the tile starts
 // 1024-byte aligned). Pairs (c, c + 1), c even, stay adjacent.
-__device__ __forceinline__ int sw128(int r, int c) { return r * 64 + ((((c >> 3) ^ r) & 7) << 3) + (c & 7); }
+__device__ __forceinline__ int sw128(int r, int c) { return r * 64 + ((c & 63) ^ ((r & 7) << 3)); }
+// the same for a [rows][128] tile: two such [rows][64] tiles side by side in K (CuTe's tile_to_shape order)
+template <int Rows>
+__device__ __forceinline__ int sw128k(int r, int c) { return (c >> 6) * Rows * 64 + sw128(r, c & 63); }
 
 __device__ __forceinline__ uint32_t ld32(bf16 const* p) { return *reinterpret_cast<uint32_t const*>(p); }
 
@@ -176,14 +178,17 @@ __device__ __forceinline__ void fma(uint64_t da, uint64_t db, float* d, std::ind
 }  // namespace wg
 #endif
 
-// acc += A[0:64, 0:64] B[0:N, 0:64]^T on the warpgroup: 4 x wgmma m64nNk16, A and B sw128 tiles in shared
-// memory (K = 64 tokens per row), written through the generic proxy before a fence.proxy.async and a barrier.
-// Warp i of the warpgroup (wi) holds rows 16 wi .. 16 wi + 15; each 8-column block of its accumulator is laid
-// out as an mma.sync m16n8 C fragment, so acc[nt] means what it means in warp_mma_tn. Returns with acc final.
-template <int N>
+// acc += A[0:64, 0:K] B[0:N, 0:K]^T on the warpgroup: K / 16 x wgmma m64nNk16, A and B K-major 128-byte-swizzled
+// tiles in shared memory (sw128 for K = 64; sw128k for K = 128, whose second 64 columns start BRows (B) / 64 (A)
+// rows after the first: B may be N rows inside a taller tile), written through the generic proxy before a
+// fence.proxy.async and a barrier. Warp i of the warpgroup (wi) holds rows 16 wi .. 16 wi + 15; each 8-column
+// block of its accumulator is laid out as an mma.sync m16n8 C fragment, so acc[nt] means what it means in
+// warp_mma_tn. Returns with acc final.
+template <int N, int K = kC, int BRows = N>
 __device__ __forceinline__ void wg_mma_tn(float (&acc)[N / 8][4], bf16 const* A, bf16 const* B, int lane, int wi) {
+  static_assert(K == 64 || K == 128, "K: one or two 64-column atoms");
 #ifdef FLA_CULA_KDA_HOST_EMULATION
-  kda_emulated_wgmma<N>(acc, A, B, lane, wi);
+  kda_emulated_wgmma<N, K, BRows>(acc, A, B, lane, wi);
 #else
   static_assert(N == 32 || N == 64 || N == 128, "wgmma N");
   float* d = &acc[0][0];
@@ -192,10 +197,10 @@ __device__ __forceinline__ void wg_mma_tn(float (&acc)[N / 8][4], bf16 const* A,
   cute::warpgroup_arrive();
   cute::GmmaDescriptor da = wg::desc<64>(A), db = wg::desc<N>(B);
 #pragma unroll
-  for (int kb = 0; kb < kC / 16; ++kb) {  // 16 tokens = 32 bytes = 2 descriptor address units along K
-    cute::GmmaDescriptor a = da, b = db;
-    a.reg32_[0] += 2 * kb;
-    b.reg32_[0] += 2 * kb;
+  for (int kb = 0; kb < K / 16; ++kb) {  // 16 columns = 32 bytes = 2 descriptor address units (16 B) along K;
+    cute::GmmaDescriptor a = da, b = db;  // the next 64 columns: rows x 128 B further
+    a.reg32_[0] += (kb >> 2) * 64 * 8 + 2 * (kb & 3);
+    b.reg32_[0] += (kb >> 2) * BRows * 8 + 2 * (kb & 3);
     wg::fma<N>(a.desc_, b.desc_, d, std::make_index_sequence<N / 2>{});
   }
   cute::warpgroup_commit_batch();
@@ -323,6 +328,22 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
   auto vpT_at = [&](int c, int i) -> bf16& {
     if constexpr (kWgmma) return (&sm.u4.vpT[0][0])[sw128(c, i)]; else return sm.u4.vpT[c][i];
   };
+  // and those of phases 6-7
+  auto akkb_at = [&](int i, int j) -> bf16& {
+    if constexpr (kWgmma) return (&sm.akkb[0][0])[sw128(i, j)]; else return sm.akkb[i][j];
+  };
+  auto kgT_at = [&](int d, int i) -> bf16& {
+    if constexpr (kWgmma) return (&sm.t2.KgT[0][0])[sw128(d, i)]; else return sm.t2.KgT[d][i];
+  };
+  auto t1_at = [&](int i, int d) -> bf16& {
+    if constexpr (kWgmma) return (&sm.u3.t1[0][0])[sw128k<kC>(i, d)]; else return sm.u3.t1[i][d];
+  };
+  auto wn_at = [&](int i, int d) -> bf16& {
+    if constexpr (kWgmma) return (&sm.u2.Wn[0][0])[sw128k<kC>(i, d)]; else return sm.u2.Wn[i][d];
+  };
+  auto sT_at = [&](int c, int d) -> bf16& {
+    if constexpr (kWgmma) return (&sm.sT[0][0])[sw128k<kBV>(c, d)]; else return sm.sT[c][d];
+  };
 
   int const tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   int const g8 = lane >> 2, t4 = lane & 3;
@@ -393,7 +414,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
       for (int e = 0; e < 4; ++e) {
         int const d = d0 + (e >> 1) * 8, cc = c + (e & 1);
         S[nt][e] = p.h0 != nullptr ? p.h0[state_index(d, cc)] : 0.f;
-        sm.sT[cc][d] = __float2bfloat16_rn(S[nt][e]);
+        sT_at(cc, d) = __float2bfloat16_rn(S[nt][e]);
       }
     }
   }
@@ -430,12 +451,26 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
   constexpr int kVLoads = kC * (kBV / 8) / kThreads;  // 16-byte v loads per thread and chunk
   uint4 vv[kVLoads];
   float bv = 0.f;
+  // 16-byte load u of a thread: token i, columns c8 .. c8 + 7. kWgmma: loads u and u + 1 (u even) are tokens
+  // i and i + 1 of the same columns, so store_vb writes token pairs (4 bytes) into the swizzled v^T rows
+  auto v_slot = [&](int u, int& i, int& c8) {
+    if constexpr (kWgmma) {
+      int const pidx = tid + (u >> 1) * kThreads;
+      i = 2 * (pidx / (kBV / 8)) + (u & 1);
+      c8 = (pidx % (kBV / 8)) * 8;
+    } else {
+      int const idx = tid + u * kThreads;
+      i = idx / (kBV / 8);
+      c8 = (idx % (kBV / 8)) * 8;
+    }
+  };
   auto load_vb = [&](int c) {
     int64_t const t0 = bos + int64_t(c) * kC;
     int const rw = chunk_rows(c);
 #pragma unroll
     for (int u = 0; u < kVLoads; ++u) {
-      int const idx = tid + u * kThreads, i = idx / (kBV / 8), c8 = (idx % (kBV / 8)) * 8;
+      int i, c8;
+      v_slot(u, i, c8);
       vv[u] = make_uint4(0, 0, 0, 0);
       if (i < rw) vv[u] = *reinterpret_cast<uint4 const*>(vg + (t0 + i) * p.v_tok_stride + c8);
     }
@@ -446,12 +481,29 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
     }
   };
   auto store_vb = [&]() {
+    if constexpr (kWgmma) {  // row c8 + j of the sw128 tile has phase j: the pair (i, i + 1) lands at i ^ 8 j
 #pragma unroll
-    for (int u = 0; u < kVLoads; ++u) {
-      int const idx = tid + u * kThreads, i = idx / (kBV / 8), c8 = (idx % (kBV / 8)) * 8;
-      bf16 const* e = reinterpret_cast<bf16 const*>(&vv[u]);
+      for (int u = 0; u < kVLoads; u += 2) {
+        int i, c8;
+        v_slot(u, i, c8);
+        bf16 const* e0 = reinterpret_cast<bf16 const*>(&vv[u]);
+        bf16 const* e1 = reinterpret_cast<bf16 const*>(&vv[u + 1]);
+        bf16* const rows = &sm.vT[0][0] + c8 * kC;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) sm.vT[c8 + j][i] = e[j];
+        for (int j = 0; j < 8; ++j) {
+          __nv_bfloat162 const pr = {e0[j], e1[j]};
+          *reinterpret_cast<__nv_bfloat162*>(rows + j * kC + (i ^ (j << 3))) = pr;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < kVLoads; ++u) {
+        int i, c8;
+        v_slot(u, i, c8);
+        bf16 const* e = reinterpret_cast<bf16 const*>(&vv[u]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) sm.vT[c8 + j][i] = e[j];
+      }
     }
     if (tid < kC) sm.beta[tid] = bv;
   };
@@ -589,7 +641,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
       float const sq = p.scale * sm.rstd_q[i], sk = sm.rstd_k[i];
       float const ea0 = ex2(G.x - float(sm.anc_a[r][d])), ea1 = ex2(G.y - float(sm.anc_a[r][d + 1]));
       float const fb0 = ex2(float(sm.anc_b[r][d]) - G.x), fb1 = ex2(float(sm.anc_b[r][d + 1]) - G.y);
-      store_pair(&sm.u3.t1[i][d], q2.x * sq * ea0, q2.y * sq * ea1);
+      store_pair(&t1_at(i, d), q2.x * sq * ea0, q2.y * sq * ea1);
       store_pair(&sm.t2.Ke[i][d], k2.x * sk * ea0, k2.y * sk * ea1);
       store_pair(&sm.t3.Kf[i][d], k2.x * sk * fb0, k2.y * sk * fb1);
     }
@@ -606,15 +658,25 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
       zero(acc);
       {
         bf16 const* A = (is_l ? &sm.t2.Ke[16 * r][0] : &sm.u3.t1[16 * r][0]) + g8 * kLdK + 2 * t4;
+        // row fragment (row 16 r + g8 + 8 h, channel k0 + 2 t4 + 8 x); Qe in the wgmma build's t1 layout (sw128k:
+        // the row mod 8 is g8, and 2 t4 stays below the XORed bits)
+        auto arow = [&](int h, int k0, int x) -> bf16 const* {
+          if constexpr (kWgmma) {
+            int const kk = k0 + 8 * x;
+            if (!is_l) return &sm.u3.t1[0][0] + (kk >> 6) * kC * 64 + (16 * r + g8 + 8 * h) * 64 +
+                              (((kk & 63) ^ (g8 << 3)) + 2 * t4);
+          }
+          return A + 8 * h * kLdK + k0 + 8 * x;
+        };
 #pragma unroll
         for (int k0 = 0; k0 < kK; k0 += 16) {
           int const d = k0 + 2 * t4;
           float2 const s01 = *reinterpret_cast<float2 const*>(&sm.pw[pr][d]);
           float2 const s89 = *reinterpret_cast<float2 const*>(&sm.pw[pr][d + 8]);
-          uint32_t const a0 = scale_pair(ld32(A + k0), s01.x, s01.y);
-          uint32_t const a1 = scale_pair(ld32(A + 8 * kLdK + k0), s01.x, s01.y);
-          uint32_t const a2 = scale_pair(ld32(A + k0 + 8), s89.x, s89.y);
-          uint32_t const a3 = scale_pair(ld32(A + 8 * kLdK + k0 + 8), s89.x, s89.y);
+          uint32_t const a0 = scale_pair(ld32(arow(0, k0, 0)), s01.x, s01.y);
+          uint32_t const a1 = scale_pair(ld32(arow(1, k0, 0)), s01.x, s01.y);
+          uint32_t const a2 = scale_pair(ld32(arow(0, k0, 1)), s89.x, s89.y);
+          uint32_t const a3 = scale_pair(ld32(arow(1, k0, 1)), s89.x, s89.y);
 #pragma unroll
           for (int nt = 0; nt < 2; ++nt) {
             bf16 const* b = &sm.t3.Kf[16 * s + nt * 8 + g8][k0 + 2 * t4];
@@ -654,10 +716,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
       float const sq0 = p.scale * sm.rstd_q[i], sq1 = p.scale * sm.rstd_q[i + 1];
       float const sk0 = sm.rstd_k[i], sk1 = sm.rstd_k[i + 1];
       float const e00 = ex2(G0.x), e01 = ex2(G0.y), e10 = ex2(G1.x), e11 = ex2(G1.y);  // e[token][channel]
-      store_pair(&sm.u3.t1[i][d], q0.x * sq0 * e00, q0.y * sq0 * e01);
-      store_pair(&sm.u3.t1[i + 1][d], q1.x * sq1 * e10, q1.y * sq1 * e11);
-      store_pair(&sm.t2.KgT[d][i], k0.x * sk0 * e00, k1.x * sk1 * e10);
-      store_pair(&sm.t2.KgT[d + 1][i], k0.y * sk0 * e01, k1.y * sk1 * e11);
+      store_pair(&t1_at(i, d), q0.x * sq0 * e00, q0.y * sq0 * e01);
+      store_pair(&t1_at(i + 1, d), q1.x * sq1 * e10, q1.y * sq1 * e11);
+      store_pair(&kgT_at(d, i), k0.x * sk0 * e00, k1.x * sk1 * e10);
+      store_pair(&kgT_at(d + 1, i), k0.y * sk0 * e01, k1.y * sk1 * e11);
       store_pair(&kdT_at(d, i), k0.x * sk0 * ex2(G63.x - G0.x), k1.x * sk1 * ex2(G63.x - G1.x));
       store_pair(&kdT_at(d + 1, i), k0.y * sk0 * ex2(G63.y - G0.y), k1.y * sk1 * ex2(G63.y - G1.y));
     }
@@ -719,8 +781,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
         int const i = 16 * r + si, j = 16 * s + sj;
         float4 const xn = make_float4(-acc.x, -acc.y, -acc.z, -acc.w);
         *reinterpret_cast<float4*>(&sm.u1.X[i][j]) = xn;
-        store_pair(&sm.akkb[i][j], xn.x * sm.beta[j], xn.y * sm.beta[j + 1]);
-        store_pair(&sm.akkb[i][j + 2], xn.z * sm.beta[j + 2], xn.w * sm.beta[j + 3]);
+        store_pair(&akkb_at(i, j), xn.x * sm.beta[j], xn.y * sm.beta[j + 1]);
+        store_pair(&akkb_at(i, j + 2), xn.z * sm.beta[j + 2], xn.w * sm.beta[j + 3]);
       };
       float4* const part31 = reinterpret_cast<float4*>(&sm.u1.X[si][48 + sj]);  // X block (0, 3): unused
       float4 const z4 = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -772,7 +834,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
         for (int e = (grp == 0 ? tid : tid - 128); e < 4 * kBC * 8; e += 128) {
           int const i = 16 * (e >> 7) + ((e >> 3) & 15), j = 16 * (e >> 7) + (e & 7) * 2;
           float2 const xv = *reinterpret_cast<float2 const*>(&sm.u1.X[i][j]);
-          store_pair(&sm.akkb[i][j], xv.x * sm.beta[j], xv.y * sm.beta[j + 1]);
+          store_pair(&akkb_at(i, j), xv.x * sm.beta[j], xv.y * sm.beta[j + 1]);
         }
       }
       __syncthreads();
@@ -785,12 +847,17 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
         for (int e = tid - 64; e < 6 * kBC * 8; e += 192) {
           int const bk = e >> 7, rb = bk < 3 ? 0 : bk < 5 ? 1 : 2, cb = bk < 3 ? bk + 1 : bk < 5 ? bk - 1 : 3;
           int const i = 16 * rb + ((e >> 3) & 15), j = 16 * cb + (e & 7) * 2;
-          store_pair(&sm.akkb[i][j], 0.f * sm.beta[j], 0.f * sm.beta[j + 1]);
+          store_pair(&akkb_at(i, j), 0.f * sm.beta[j], 0.f * sm.beta[j + 1]);
         }
       }
       __syncthreads();
       // step 6: X_30
       if (grp == 0) dx(3, 0, 2);
+#ifndef FLA_CULA_KDA_HOST_EMULATION
+      // akkb and Kg^T (and this chunk's t1, sT, vT), written through the generic proxy, become visible to the
+      // wgmma of phases 6-7
+      if constexpr (kWgmma) cutlass::arch::fence_view_async_shared();
+#endif
       __syncthreads();
     }
     // grad extras: Akk = bf16(X) (zeros above the diagonal), Aqk; X is raw q/k's storage (prefetched next)
@@ -808,19 +875,26 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
     mark(5);
     if (prefetch) issue_qk(chunk + 1);  // u1.raw: X was last read above (barrier between)
 
-    // ---- 6: -W = -(X diag b) Kg : 64 x 128, warp = (row tile w/2, 64 columns)
+    // ---- 6: -W = -(X diag b) Kg : 64 x 128, warp = (row tile w/2, 64 columns), or (kWgmma) warpgroup = 64 columns
     {
-      int const mt = warp >> 1, nb = (warp & 1) * 64;
+      int const mt = kWgmma ? (warp & 3) : (warp >> 1), nb = (kWgmma ? (warp >> 2) : (warp & 1)) * 64;
       float acc[8][4];
       zero(acc);
-      warp_mma_tn<8, kC>(acc, &sm.akkb[16 * mt][0], kLdC, &sm.t2.KgT[nb][0], kLdC, lane);
+      if constexpr (kWgmma) {
+        wg_mma_tn<64>(acc, &sm.akkb[0][0], &sm.t2.KgT[0][0] + nb * kC, lane, warp & 3);
+      } else {
+        warp_mma_tn<8, kC>(acc, &sm.akkb[16 * mt][0], kLdC, &sm.t2.KgT[nb][0], kLdC, lane);
+      }
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
         int const i = 16 * mt + g8, d = nb + nt * 8 + 2 * t4;
-        store_pair(&sm.u2.Wn[i][d], -acc[nt][0], -acc[nt][1]);
-        store_pair(&sm.u2.Wn[i + 8][d], -acc[nt][2], -acc[nt][3]);
+        store_pair(&wn_at(i, d), -acc[nt][0], -acc[nt][1]);
+        store_pair(&wn_at(i + 8, d), -acc[nt][2], -acc[nt][3]);
       }
     }
+#ifndef FLA_CULA_KDA_HOST_EMULATION
+    if constexpr (kWgmma) cutlass::arch::fence_view_async_shared();  // -W for phase 7's wgmma
+#endif
     __syncthreads();
     mark(6);
 
@@ -831,8 +905,13 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
     {
       float vp[kNO][4];
       zero(vp);
-      warp_mma_tn<kNO, kC>(vp, &sm.akkb[16 * mt][0], kLdC, &sm.vT[nb][0], kLdC, lane);
-      warp_mma_tn<kNO, kK>(vp, &sm.u2.Wn[16 * mt][0], kLdK, &sm.sT[nb][0], kLdK, lane);
+      if constexpr (kWgmma) {
+        wg_mma_tn<kBV / 2>(vp, &sm.akkb[0][0], &sm.vT[0][0] + nb * kC, lane, warp & 3);
+        wg_mma_tn<kBV / 2, kK, kBV>(vp, &sm.u2.Wn[0][0], &sm.sT[0][0] + nb * kC, lane, warp & 3);
+      } else {
+        warp_mma_tn<kNO, kC>(vp, &sm.akkb[16 * mt][0], kLdC, &sm.vT[nb][0], kLdC, lane);
+        warp_mma_tn<kNO, kK>(vp, &sm.u2.Wn[16 * mt][0], kLdK, &sm.sT[nb][0], kLdK, lane);
+      }
 #pragma unroll
       for (int nt = 0; nt < kNO; ++nt) {
 #pragma unroll
@@ -843,7 +922,11 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
       }
     }
     zero(o_acc);  // after V' is stored: its accumulators and O's are not live at once
-    warp_mma_tn<kNO, kK>(o_acc, &sm.u3.t1[16 * mt][0], kLdK, &sm.sT[nb][0], kLdK, lane);
+    if constexpr (kWgmma) {
+      wg_mma_tn<kBV / 2, kK, kBV>(o_acc, &sm.u3.t1[0][0], &sm.sT[0][0] + nb * kC, lane, warp & 3);
+    } else {
+      warp_mma_tn<kNO, kK>(o_acc, &sm.u3.t1[16 * mt][0], kLdK, &sm.sT[nb][0], kLdK, lane);
+    }
 #ifndef FLA_CULA_KDA_HOST_EMULATION
     // the operand tiles of phase 8 (aqk, Kd^T, V'^T), written through the generic proxy, become visible to wgmma
     if constexpr (kWgmma) cutlass::arch::fence_view_async_shared();
@@ -856,7 +939,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
     }
 
     // ---- 8: O += Aqk V' (store rows < `rows`); S = diag(gamma) S + Kd^T V'; bf16(S)^T for the next chunk.
-    //      kWgmma: each warpgroup multiplies its 64 x kBV/2 block of O and its 64 state rows on wgmma
+    //      kWgmma: each warpgroup multiplies its 64 x kBV/2 block of O and its 64 state rows on wgmma (as in 6-7)
     if constexpr (kWgmma) {
       wg_mma_tn<kBV / 2>(o_acc, &sm.aqk[0][0], &sm.u4.vpT[0][0] + nb * kC, lane, warp & 3);
     } else {
@@ -886,10 +969,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
 #pragma unroll
       for (int nt = 0; nt < kNS; ++nt) {
         int const c = nt * 8 + 2 * t4;
-        sm.sT[c][d0] = __float2bfloat16_rn(S[nt][0]);
-        sm.sT[c + 1][d0] = __float2bfloat16_rn(S[nt][1]);
-        sm.sT[c][d0 + 8] = __float2bfloat16_rn(S[nt][2]);
-        sm.sT[c + 1][d0 + 8] = __float2bfloat16_rn(S[nt][3]);
+        sT_at(c, d0) = __float2bfloat16_rn(S[nt][0]);
+        sT_at(c + 1, d0) = __float2bfloat16_rn(S[nt][1]);
+        sT_at(c, d0 + 8) = __float2bfloat16_rn(S[nt][2]);
+        sT_at(c + 1, d0 + 8) = __float2bfloat16_rn(S[nt][3]);
       }
     }
     if constexpr (kProfile) __syncthreads();  // the timer build splits the products from the wait for chunk + 1
