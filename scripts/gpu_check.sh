@@ -88,7 +88,7 @@ want training && step training "${T_TRAINING:-400}" python -m pytest tests/gpu/t
 want flatests && step flatests "${T_FLATESTS:-300}" env ${FLATESTS_ENV:-FLA_CULA=1} timeout -s INT $(( ${T_FLATESTS:-300} - 20 )) \
   python -m pytest -p fla_cula.testing.plugin -p no:cacheprovider -v -rfE .flatests/tests/ops/test_lightning_attn.py \
   .flatests/tests/ops/test_kda.py -k "chunk and not cp and not flash and not naive"
-# the KDA prefill kernel's per-phase cycles, both V widths, the last phase on mma.sync and on wgmma (not in the default)
+# the KDA prefill kernel's per-phase cycles, both V widths, phases 6-8 on mma.sync and on wgmma (not in the default)
 kda_phases() {
   for bv in 128 64; do for w in "" --wgmma; do python -m benchmarks.kda_phases --block-v $bv $w || return 1; done; done
 }

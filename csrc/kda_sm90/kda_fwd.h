@@ -7,7 +7,7 @@
 // bounded sigmoid gate a = lb * sigmoid(exp(A_log) * (g + dt_bias)) fused; integer-anchored gate factors
 // (1.3); Aqk and L on mma.sync m16n8k16 bf16; (I + L)^-1 in fp32 (blocked forward substitution, 1.4); the
 // WY products V' = U - W S, O = Qg S + Aqk V', S = diag(gamma) S + Kd^T V' on mma.sync (1.5), or with
-// Params::wgmma on SM90 warpgroup MMA (docs/kda_sm90.md "v2 step 1").
+// Params::wgmma on SM90 warpgroup MMA (docs/kda_sm90.md "Steps 1 and 2 as built").
 #pragma once
 
 #include <cstdint>
@@ -49,7 +49,7 @@ struct KdaFwdParams {
   void const* cu_seqlens;  // [N+1] int32 or int64, or null (fixed length)
   bool cu_seqlens_int64;
   int block_v;  // V columns per CTA: 64 (N*HV*2 CTAs) or 128 (N*HV CTAs, the K-side prep done once per pair)
-  bool wgmma;   // the last phase's products (O += Aqk V', the state update) on wgmma instead of mma.sync
+  bool wgmma;   // the state-side products of phases 6-8 (-W, V', O, S) on wgmma instead of mma.sync
   int device;   // CUDA ordinal of every tensor
   void* stream; // cudaStream_t of the caller on that device
 };
@@ -66,7 +66,7 @@ struct KdaFwdSpecialization {
   bool profile;      // phase_cycles instrumentation compiled in
   int threads;
   int block_v;       // V columns per CTA
-  bool wgmma;        // phase 8 on wgmma (Params::wgmma)
+  bool wgmma;        // phases 6-8 on wgmma (Params::wgmma)
   int smem_bytes;    // dynamic shared memory per CTA
 };
 constexpr int kKdaFwdSpecializations = 8;

@@ -203,7 +203,7 @@ void register_kda_fwd(py::module_& m) {
         "(bf16 [B,T,HV,128]) and, when given, Aqk/Akk (bf16 [B,T,HV,64], FLA's layout). All contiguous.\n"
         "block_v (64 or 128): V columns per CTA (N*HV*128/block_v CTAs; 128 computes the K-side prep once per\n"
         "(sequence, value head), 64 twice but fills more SMs).\n"
-        "wgmma: the last phase's products (O += Aqk V', the state update) on SM90 warpgroup MMA instead of\n"
+        "wgmma: the state-side products (-W, V', O, the state update) on SM90 warpgroup MMA instead of\n"
         "mma.sync (same math; fp32 accumulation order inside the tensor core may differ).\n"
         "phase_cycles (int64 [N*HV*128/block_v, KDA_FWD_PHASES] or None): per CTA, clock64 cycles of each phase\n"
         "summed over its chunks (KDA_FWD_PHASE_NAMES).\n"

@@ -899,7 +899,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
     mark(6);
 
     // ---- 7: V' = (X diag b) V - W bf16(S) ; O = Qg bf16(S). 64 x kBV, warp = (row tile, kBV/2 columns): row tile
-    //      w/2 and column half w%2, or (kWgmma) row tile w%4 and column half w/4, as phase 8's warpgroup MMA holds O
+    //      w/2 and column half w%2, or (kWgmma) row tile w%4 and column half w/4, as a warpgroup MMA holds them
     int const mt = kWgmma ? (warp & 3) : (warp >> 1), nb = (kWgmma ? (warp >> 2) : (warp & 1)) * (kBV / 2);
     float o_acc[kNO][4];
     {

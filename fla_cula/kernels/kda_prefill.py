@@ -45,14 +45,14 @@ _BF16 = torch.bfloat16
 _PARAM_DTYPES = (torch.float32, torch.bfloat16)
 
 
-# block_v None: block_v_for(); 64 or 128: forced (tests, benchmarks). wgmma: the last phase's products on
-# warpgroup MMA (docs/kda_sm90.md "v2 step 1"), off until measured on the H200.
+# block_v None: block_v_for(); 64 or 128: forced (tests, benchmarks). wgmma: the state-side products (phases
+# 6-8) on warpgroup MMA (docs/kda_sm90.md "Steps 1 and 2 as built"), off until measured on the H200.
 _TUNING = {"block_v": None, "wgmma": False}
 
 
 def set_tuning(block_v: int | None = None, wgmma: bool = False) -> None:
-    """Force the V columns per CTA (64 or 128) for every call (None: chosen per call) and pick the last phase's
-    instruction (wgmma or mma.sync); no argument: the defaults."""
+    """Force the V columns per CTA (64 or 128) for every call (None: chosen per call) and pick the instruction of the
+    state-side products (wgmma or mma.sync); no argument: the defaults."""
     if block_v not in (None, 64, 128):
         raise ValueError(f"block_v={block_v!r}: expected None, 64 or 128")
     if not isinstance(wgmma, bool):

@@ -454,7 +454,7 @@ def test_block_v_64_and_128_same_bits(c, strict_mode, fla_fns):
 @pytest.mark.parametrize("bv", [64, 128])
 @pytest.mark.parametrize("c", _params(BLOCK_V_CASES, {"T65-B1-vfirst", "empty-mid-i64"}))
 def test_wgmma_variant(c, bv, strict_mode, fla_fns):
-    """The last phase on wgmma (set_tuning(wgmma=True)) passes the fp64 / FLA bars on its own and stays within a few
+    """Phases 6-8 on wgmma (set_tuning(wgmma=True)) passes the fp64 / FLA bars on its own and stays within a few
     bf16 roundings of the mma.sync kernel (both accumulate each 16-token product in fp32; the tensor cores may add
     in another order, so bit equality is not required: a wrong tile layout or descriptor is off by O(1))."""
     from fla_cula.kernels import kda_prefill
