@@ -96,6 +96,22 @@ def cuobjdump() -> str | None:
     return shutil.which("cuobjdump")
 
 
+def cutlass_include() -> Path | None:
+    """The CUTLASS/CuTe C++ headers the extension is built against (as setup.py finds them): $CUTLASS_HOME/include,
+    else the nvidia-cutlass wheel's; None when neither has cute/tensor.hpp (tests that compile C++ at run time)."""
+    import os
+
+    home = os.environ.get("CUTLASS_HOME")
+    if home and (Path(home) / "include" / "cute" / "tensor.hpp").is_file():
+        return Path(home) / "include"
+    try:
+        import cutlass_library
+    except ImportError:
+        return None
+    inc = Path(cutlass_library.__file__).resolve().parent / "source" / "include"
+    return inc if (inc / "cute" / "tensor.hpp").is_file() else None
+
+
 def demangle(symbols: list[str]) -> dict[str, str]:
     """symbol -> demangled name (c++filt); the symbol itself where c++filt is missing."""
     tool = shutil.which("c++filt")

@@ -641,12 +641,8 @@ def test_sw128_is_cutes_layout(emulator, tmp_path):
 
     gxx = shutil.which("g++")
     home = Path(os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda")
-    try:
-        import cutlass_library
-        inc = Path(cutlass_library.__file__).resolve().parent / "source" / "include"
-    except ImportError:
-        inc = Path(os.environ.get("CUTLASS_HOME", "/nonexistent")) / "include"
-    if gxx is None or not (inc / "cute" / "tensor.hpp").is_file() or not (home / "include" / "cccl").is_dir():
+    inc = _ext.cutlass_include()
+    if gxx is None or inc is None or not (home / "include" / "cccl").is_dir():
         pytest.skip("g++, the CUTLASS headers or CUDA's cccl headers not found")
     (tmp_path / "sw.cpp").write_text(r"""
 #include <cute/tensor.hpp>

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fla_cula import _ext
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SOURCE = r"""
@@ -68,22 +70,10 @@ extern "C" int run_wg(int N, int K, int BRows, void const* A, void const* B, voi
 CASES = [(32, 64, 32), (64, 64, 64), (128, 64, 128), (32, 128, 64), (64, 128, 128), (64, 64, 128)]
 
 
-def _cutlass_include() -> Path | None:
-    home = os.environ.get("CUTLASS_HOME")
-    if home and (Path(home) / "include" / "cute" / "tensor.hpp").is_file():
-        return Path(home) / "include"
-    try:
-        import cutlass_library
-    except ImportError:
-        return None
-    inc = Path(cutlass_library.__file__).resolve().parent / "source" / "include"
-    return inc if (inc / "cute" / "tensor.hpp").is_file() else None
-
-
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
     nvcc = shutil.which("nvcc") or str(Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "nvcc")
-    inc = _cutlass_include()
+    inc = _ext.cutlass_include()
     if not Path(nvcc).is_file() or inc is None:
         pytest.skip("nvcc or the CUTLASS headers not found")
     d = tmp_path_factory.mktemp("wg_unit")
