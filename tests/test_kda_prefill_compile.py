@@ -675,16 +675,7 @@ extern "C" int cute_sw128(int rows, int cols, int r, int c) {
 @pytest.mark.parametrize("block_v", [64, 128])
 @pytest.mark.parametrize("case", ["fixed-tail-svf", "varlen-gva-empty"])
 def test_kernel_source_emulated_on_cpu_matches_model(emulator, case, block_v):
-    if case == "fixed-tail-svf":
-        q, k, v, g, beta, A_log, dt_bias, h0 = _inputs(1, 20, 1, 1, "fast", seed=1)
-        h0 = h0.transpose(-1, -2).contiguous()
-        cu, kw = None, dict(scale=128 ** -0.5, lb=-5.0, l2=True, bsig=True, neg=False, svf=True)
-    else:
-        q, k, v, g, beta, A_log, dt_bias, _ = _inputs(1, 70, 1, 2, "slow", seed=2)
-        beta, A_log = beta.float(), None
-        cu = torch.tensor([0, 0, 66, 70], dtype=torch.int64)
-        h0 = torch.randn(3, 2, 128, 128, generator=torch.Generator().manual_seed(4)) * 0.5
-        kw = dict(scale=0.1, lb=-2.0, l2=True, bsig=True, neg=True, svf=False)
+    (q, k, v, g, beta, A_log, dt_bias, h0, cu), kw = _emulator_case(case)
     o, ht, Aqk, Akk, prof = _emulate(emulator, q, k, v, g, beta, A_log, dt_bias, h0, cu, block_v=block_v, **kw)
     lens = [20] if cu is None else (cu[1:] - cu[:-1]).tolist()
     for cta in range(prof.shape[0]):  # phase_cycles: every phase timed in CTAs with chunks, zeros without
