@@ -72,8 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"shape": [B, T, H], "regime": a.regime, "block_v": bv, "wgmma": a.wgmma, "phases": phases,
-                       "graph_ms": ms,
-                       "ctas": ctas, "waves": waves, "chunks": chunks}, f, indent=1)
+                       "graph_ms": ms, "ctas": ctas, "waves": waves, "chunks": chunks}, f, indent=1)
     return 0
 
 
