@@ -24,7 +24,7 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # the checkout's fla_cula, parity, benchmarks
 export FLA_CULA_COMMIT="${FLA_CULA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
-T_BUILD="${T_BUILD:-90}"; T_INFO="${T_INFO:-60}"; T_PYTEST="${T_PYTEST:-280}"; T_DEMO="${T_DEMO:-190}"
+T_BUILD="${T_BUILD:-180}"; T_INFO="${T_INFO:-60}"; T_PYTEST="${T_PYTEST:-280}"; T_DEMO="${T_DEMO:-190}"
 T_PARITY="${T_PARITY:-300}"; T_BENCH="${T_BENCH:-300}"
 STEPS=" ${STEPS:-build info pytest demo parity bench} "   # also: training, flatests, kdaphases (not in the default)
 want() { [[ "$STEPS" == *" $1 "* ]]; }
@@ -75,6 +75,8 @@ done
 XDIST=""; python -c "import xdist" 2>/dev/null && XDIST="-n ${PYTEST_WORKERS:-8}"
 
 want build && step build "$T_BUILD" bash -c "$(declare -f build); build"
+# a build cut short leaves a truncated object or .so that the next build would take as up to date
+want build && [ "${STATUSES[-1]}" != ok ] && rm -rf build fla_cula/_C*.so
 want info && step info "$T_INFO" python -m fla_cula info
 # -v: a line per finished test, so a run cut by its time limit still shows what passed and failed
 want pytest && step pytest "$T_PYTEST" python -m pytest tests/gpu tests/test_extension.py -v -rfEs -p no:cacheprovider \
@@ -90,7 +92,7 @@ want flatests && step flatests "${T_FLATESTS:-300}" env ${FLATESTS_ENV:-FLA_CULA
   .flatests/tests/ops/test_kda.py -k "chunk and not cp and not flash and not naive"
 # the KDA prefill kernel's per-phase cycles, both V widths, phases 6-8 on mma.sync and on wgmma (not in the default)
 kda_phases() {
-  for bv in 128 64; do for w in "" --wgmma; do python -m benchmarks.kda_phases --block-v $bv $w || return 1; done; done
+  for bv in 128 64; do for w in "" --mma-sync; do python -m benchmarks.kda_phases --block-v $bv $w || return 1; done; done
 }
 want kdaphases && step kdaphases "${T_KDAPHASES:-240}" bash -c "$(declare -f kda_phases); kda_phases"
 want demo && step demo "$T_DEMO" python -m fla_cula demo

@@ -77,7 +77,7 @@ struct SharedStorage {
     bf16 t1[kC][kLdK];                       // Qe (3-4), then Qg (5-7), sw128: graw dead after phase 2
   } u3;
   union alignas(kSwAlign) {
-    bf16 Ke[kC][kLdK];                       // (3-4)
+    bf16 Ke[kC][kLdK];                       // (3-4), sw128k
     bf16 KgT[kK][kLdC];                      // (5-6), sw128
   } t2;
   union alignas(kSwAlign) {
@@ -335,6 +335,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
   auto kgT_at = [&](int d, int i) -> bf16& {
     if constexpr (kWgmma) return (&sm.t2.KgT[0][0])[sw128(d, i)]; else return sm.t2.KgT[d][i];
   };
+  auto ke_at = [&](int i, int d) -> bf16& {  // phase 4's A operand, laid out as t1 so both share one addressing
+    if constexpr (kWgmma) return (&sm.t2.Ke[0][0])[sw128k<kC>(i, d)]; else return sm.t2.Ke[i][d];
+  };
   auto t1_at = [&](int i, int d) -> bf16& {
     if constexpr (kWgmma) return (&sm.u3.t1[0][0])[sw128k<kC>(i, d)]; else return sm.u3.t1[i][d];
   };
@@ -451,8 +454,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
   constexpr int kVLoads = kC * (kBV / 8) / kThreads;  // 16-byte v loads per thread and chunk
   uint4 vv[kVLoads];
   float bv = 0.f;
-  // 16-byte load u of a thread: token i, columns c8 .. c8 + 7. kWgmma: loads u and u + 1 (u even) are tokens
-  // i and i + 1 of the same columns, so store_vb writes token pairs (4 bytes) into the swizzled v^T rows
+  // 16-byte load u of a thread: token i, columns c8 .. c8 + 7 (a warp's load covers whole v rows). kWgmma: loads
+  // u and u + 1 (u even) are tokens i and i + 1 of the same columns, so store_vb writes token pairs (4 bytes)
   auto v_slot = [&](int u, int& i, int& c8) {
     if constexpr (kWgmma) {
       int const pidx = tid + (u >> 1) * kThreads;
@@ -481,18 +484,39 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
     }
   };
   auto store_vb = [&]() {
-    if constexpr (kWgmma) {  // row c8 + j of the sw128 tile has phase j: the pair (i, i + 1) lands at i ^ 8 j
+    if constexpr (kWgmma) {
+      // row c8 + j of the sw128 tile has phase j: the pair (i, i + 1) of column c8 + j lands at i ^ 8 j. Lanes of
+      // one token pair hold 8-column groups whose rows are 1 KB apart (one bank set), so lane l writes column
+      // c8 + ((s + l) mod 8) at step s: the phases differ and the 8 lanes hit 8 bank quads (2-way at kBV 128,
+      // where 16 lanes share a token pair; none at 64). The pairs are rotated by l mod 8 in registers (3 stages
+      // of selects) so that step s reads a fixed register.
+      int const rot = lane & 7;
 #pragma unroll
       for (int u = 0; u < kVLoads; u += 2) {
         int i, c8;
         v_slot(u, i, c8);
-        bf16 const* e0 = reinterpret_cast<bf16 const*>(&vv[u]);
-        bf16 const* e1 = reinterpret_cast<bf16 const*>(&vv[u + 1]);
+        uint32_t const* w0 = reinterpret_cast<uint32_t const*>(&vv[u]);
+        uint32_t const* w1 = reinterpret_cast<uint32_t const*>(&vv[u + 1]);
+        uint32_t pr[8];  // pr[j] = (token i, token i + 1) of column c8 + j
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {  // the j-th bf16 of each load (one PRMT)
+          uint32_t const a = w0[j >> 1], b = w1[j >> 1];
+          pr[j] = (j & 1) ? (a >> 16) | (b & 0xffff0000u) : (a & 0xffffu) | (b << 16);
+        }
+#pragma unroll
+        for (int b = 1; b < 8; b <<= 1) {  // pr[s] <- pr[(s + rot) mod 8]
+          bool const take = (rot & b) != 0;
+          uint32_t t[8];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) t[j] = take ? pr[(j + b) & 7] : pr[j];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) pr[j] = t[j];
+        }
         bf16* const rows = &sm.vT[0][0] + c8 * kC;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          __nv_bfloat162 const pr = {e0[j], e1[j]};
-          *reinterpret_cast<__nv_bfloat162*>(rows + j * kC + (i ^ (j << 3))) = pr;
+        for (int st = 0; st < 8; ++st) {
+          int const j = (st + rot) & 7;
+          *reinterpret_cast<uint32_t*>(rows + j * kC + (i ^ (j << 3))) = pr[st];
         }
       }
     } else {
@@ -642,7 +666,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
       float const ea0 = ex2(G.x - float(sm.anc_a[r][d])), ea1 = ex2(G.y - float(sm.anc_a[r][d + 1]));
       float const fb0 = ex2(float(sm.anc_b[r][d]) - G.x), fb1 = ex2(float(sm.anc_b[r][d + 1]) - G.y);
       store_pair(&t1_at(i, d), q2.x * sq * ea0, q2.y * sq * ea1);
-      store_pair(&sm.t2.Ke[i][d], k2.x * sk * ea0, k2.y * sk * ea1);
+      store_pair(&ke_at(i, d), k2.x * sk * ea0, k2.y * sk * ea1);
       store_pair(&sm.t3.Kf[i][d], k2.x * sk * fb0, k2.y * sk * fb1);
     }
     __syncthreads();
@@ -657,16 +681,14 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
       float acc[2][4];
       zero(acc);
       {
-        bf16 const* A = (is_l ? &sm.t2.Ke[16 * r][0] : &sm.u3.t1[16 * r][0]) + g8 * kLdK + 2 * t4;
-        // row fragment (row 16 r + g8 + 8 h, channel k0 + 2 t4 + 8 x); Qe in the wgmma build's t1 layout (sw128k:
-        // the row mod 8 is g8, and 2 t4 stays below the XORed bits)
+        // row fragment (row 16 r + g8 + 8 h, channel k0 + 2 t4 + 8 x) of Qe or Ke: padded rows, or (kWgmma) sw128k,
+        // where the row mod 8 is g8 and 2 t4 stays below the XORed bits
+        bf16 const* const A = kWgmma ? (is_l ? &sm.t2.Ke[0][0] : &sm.u3.t1[0][0]) + (16 * r + g8) * 64 + 2 * t4
+                                     : (is_l ? &sm.t2.Ke[16 * r][0] : &sm.u3.t1[16 * r][0]) + g8 * kLdK + 2 * t4;
         auto arow = [&](int h, int k0, int x) -> bf16 const* {
-          if constexpr (kWgmma) {
-            int const kk = k0 + 8 * x;
-            if (!is_l) return &sm.u3.t1[0][0] + (kk >> 6) * kC * 64 + (16 * r + g8 + 8 * h) * 64 +
-                              (((kk & 63) ^ (g8 << 3)) + 2 * t4);
-          }
-          return A + 8 * h * kLdK + k0 + 8 * x;
+          int const kk = k0 + 8 * x;
+          if constexpr (kWgmma) return A + (kk >> 6) * kC * 64 + 8 * h * 64 + ((kk & 63) ^ (g8 << 3));
+          return A + 8 * h * kLdK + kk;
         };
 #pragma unroll
         for (int k0 = 0; k0 < kK; k0 += 16) {

@@ -46,11 +46,12 @@ _PARAM_DTYPES = (torch.float32, torch.bfloat16)
 
 
 # block_v None: block_v_for(); 64 or 128: forced (tests, benchmarks). wgmma: the state-side products (phases
-# 6-8) on warpgroup MMA (docs/kda_sm90.md "Steps 1 and 2 as built"), off until measured on the H200.
-_TUNING = {"block_v": None, "wgmma": False}
+# 6-8) on warpgroup MMA (docs/kda_sm90.md "v2.1 on the H200": 20% faster per chunk than mma.sync at block_v 128);
+# False: the same phases on mma.sync, kept for comparison.
+_TUNING = {"block_v": None, "wgmma": True}
 
 
-def set_tuning(block_v: int | None = None, wgmma: bool = False) -> None:
+def set_tuning(block_v: int | None = None, wgmma: bool = True) -> None:
     """Force the V columns per CTA (64 or 128) for every call (None: chosen per call) and pick the instruction of the
     state-side products (wgmma or mma.sync); no argument: the defaults."""
     if block_v not in (None, 64, 128):
@@ -127,13 +128,13 @@ def plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens
 # and backward: the kernel's Aqk/Akk feed FLA's backward, and at B=2 T=200 H=4 dA_log came out at 2.2e-3 relative
 # RMS against FLA's 8.5e-4 (the 1.5x bar: tests/gpu/test_kda_prefill.py::test_grad, H200, session 10), so
 # the grad path waits for that to be understood. Without grad the kernel serves a call when a cost model
-# predicts it below ROUTE_GAIN x FLA's time. Measured on the H200 (graph replay, docs/kda_sm90.md "v1.2 on the
-# H200"): a CTA takes US_PER_CHUNK[block_v] per 64-token chunk whatever the grid (1 CTA per SM,
+# predicts it below ROUTE_GAIN x FLA's time. Measured on the H200 (graph replay, docs/kda_sm90.md "v2.1 on
+# the H200"): a CTA takes US_PER_CHUNK[block_v] per 64-token chunk whatever the grid (1 CTA per SM,
 # latency-bound phases), so the kernel's time is waves x chunks per CTA; FLA's chunk-parallel kernels take
 # ~FLA_NS_PER_TOKEN_HEAD per token and value head on large calls. The tests set ROUTE_GRAD and turn the model off.
 ROUTE_GRAD = False
 ROUTE_BY_COST = True
-US_PER_CHUNK = {64: 15.6, 128: 19.2}   # B2 T8192 H64, 128 chunks per CTA: block_v 64 3.988 ms / 2 waves; 128: 2.453 ms
+US_PER_CHUNK = {64: 14.0, 128: 15.4}   # B2 T8192 H64, 128 chunks per CTA: block_v 64 3.589 ms / 2 waves; 128: 1.970 ms
 FLA_NS_PER_TOKEN_HEAD = 3.21           # FLA 0.6.0, B2 T8192 H64: 3.367 ms / (2 * 8192 * 64)
 ROUTE_GAIN = 0.9
 
