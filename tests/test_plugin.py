@@ -37,7 +37,10 @@ def _summary(result) -> list[str]:
 
 def _run(pytester, *args):
     pytester.makepyfile(test_tiny=_TESTS)
-    return pytester.runpytest_subprocess("-p", "fla_cula.testing.plugin", "-p", "no:cacheprovider", *args)
+    # the inner run's own xdist workers set PYTEST_XDIST_WORKER; an outer one's (this file under -n) must not leak
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("PYTEST_XDIST_WORKER", raising=False)
+        return pytester.runpytest_subprocess("-p", "fla_cula.testing.plugin", "-p", "no:cacheprovider", *args)
 
 
 def test_summary_in_process(pytester):
