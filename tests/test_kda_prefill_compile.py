@@ -4,7 +4,8 @@
   four 16-token blocks, integer-anchored gate factors, blocked fp32 inverse, the WY products, with the
   kernel's bf16 rounding points), modelled in torch on the CPU, is within rel-RMS 0.005 of the fp64
   recurrence (fla_cula.reference.kda.kda_recurrent) on o and the final state, for tails, T < 64,
-  varlen with an empty sequence, GVA, lb = -5 with random and slow-decay gates. This model is the
+  varlen with an empty sequence, GVA, lb = -5 with random and slow-decay gates (and so is the same algorithm at
+  chunk 32, two 16-token blocks: the next kernel step's design, checked before its code). This model is the
   spec of the CUDA code: the first thing to compare with when the GPU disagrees (kda_chunk_model
   also returns the Aqk / Akk the kernel writes under grad);
 - every exponent the model forms is <= 0 (factors e, f, Qg, Kg, Kd, gamma) and every power-of-two
@@ -44,12 +45,13 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def kda_chunk_model(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_state=None,
                     use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False,
-                    cu_seqlens=None, state_v_first=False, bounds=None):
+                    cu_seqlens=None, state_v_first=False, bounds=None, chunk=C):
     """The kernel's algorithm in fp32 torch with its bf16 rounding points.
 
     Inputs as chunk_kda (q, k [B,T,H,128] bf16; v [B,T,HV,128]; g raw gate [B,T,HV,128]; beta raw
     [B,T,HV]); sigmoid-form gate with lower_bound. Returns (o [B,T,HV,V] (bf16 values as fp32),
-    ht [N,HV,K,V] fp32 in the caller's layout, Aqk [B,T,HV,64], Akk [B,T,HV,64] (bf16 values)).
+    ht [N,HV,K,V] fp32 in the caller's layout, Aqk [B,T,HV,chunk], Akk [B,T,HV,chunk] (bf16 values)).
+    `chunk` 64 is the kernel's; 32 is the chunk-32 design of docs/kda_sm90.md (two 16-token blocks).
     `bounds` (a dict) collects the largest exponent of each factor kind (all must be <= 0) and the
     largest block scalar exponent A_r - B_s.
     """
@@ -72,6 +74,7 @@ def kda_chunk_model(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, ini
         seqs = [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
     N = len(seqs)
     o = torch.zeros(B, T, HV, V, dtype=f32)
+    C, nb = chunk, chunk // BC
     Aqk_out = torch.zeros(B, T, HV, C, dtype=f32)
     Akk_out = torch.zeros(B, T, HV, C, dtype=f32)
     if initial_state is None:
@@ -94,7 +97,7 @@ def kda_chunk_model(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, ini
             Lr = min(C, eos - c0)
             sl = slice(c0, c0 + Lr)
 
-            def pad(x, Lr=Lr):                                 # [Lr, HV, D] -> [HV, 64, D], rows >= L zero
+            def pad(x, Lr=Lr):                                 # [Lr, HV, D] -> [HV, C, D], rows >= L zero
                 out = torch.zeros(C, *x.shape[1:], dtype=f32)
                 out[:Lr] = x
                 return out.transpose(0, 1)
@@ -108,8 +111,8 @@ def kda_chunk_model(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, ini
             a = lower_bound * torch.sigmoid(expA[:, None, None] * (gc + dtb[:, None, :]))
             a[:, Lr:] = 0
             G = torch.cumsum(a * LOG2E, dim=1)                 # [HV, 64, K]
-            nr = torch.stack([G[:, 0], G[:, 16], G[:, 32], G[:, 48], G[:, 63]], 1)  # [HV, 5, K]
-            Aanc = torch.ceil(nr[:, :4])                       # row anchors A_r
+            nr = torch.stack([G[:, BC * r] for r in range(nb)] + [G[:, C - 1]], 1)  # [HV, nb + 1, K]
+            Aanc = torch.ceil(nr[:, :nb])                      # row anchors A_r
             Banc = torch.floor(nr[:, 1:])                      # column anchors B_s
             blk = rows // BC
             Arow = Aanc[:, blk]                                # [HV, 64, K]: A_{r(i)}
@@ -117,13 +120,13 @@ def kda_chunk_model(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, ini
             note("e", G - Arow)
             note("f", Bcol - G)
             note("Qg/Kg", G)
-            note("Kd", G[:, 63:64] - G)
+            note("Kd", G[:, C - 1:C] - G)
             Qe = _bf(scale * qc * torch.exp2(G - Arow))
             Ke = _bf(kc * torch.exp2(G - Arow))
             Kf = _bf(kc * torch.exp2(Bcol - G))
             Aqk = torch.zeros(HV, C, C, dtype=f32)
             Lm = torch.zeros(HV, C, C, dtype=f32)
-            for r in range(4):
+            for r in range(nb):
                 rs = slice(BC * r, BC * r + BC)
                 for s in range(r + 1):
                     ss = slice(BC * s, BC * s + BC)
@@ -143,8 +146,8 @@ def kda_chunk_model(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, ini
             Vp = _bf(_mm(AkkB, vc) + _mm(Wn, Sb))              # V' = U - W S
             Qg = _bf(scale * qc * torch.exp2(G))
             Oc = _mm(Qg, Sb) + _mm(Aqk, Vp)
-            Kd = _bf(kc * torch.exp2(G[:, 63:64] - G))
-            gamma = torch.exp2(G[:, 63])                       # [HV, K]
+            Kd = _bf(kc * torch.exp2(G[:, C - 1:C] - G))
+            gamma = torch.exp2(G[:, C - 1])                    # [HV, K]
             S = gamma[:, :, None] * S + _mm(Kd.transpose(1, 2), Vp)
             o[b, sl] = _bf(Oc[:, :Lr]).transpose(0, 1)
             Aqk_out[b, sl] = Aqk[:, :Lr].transpose(0, 1)
@@ -189,27 +192,29 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("chunk", [64, 32])
 @pytest.mark.parametrize("B, T, H, HV, gate", CASES, ids=[f"B{c[0]}-T{c[1]}-H{c[2]}-HV{c[3]}-{c[4]}" for c in CASES])
-def test_chunk_model_matches_fp64_recurrence(B, T, H, HV, gate):
+def test_chunk_model_matches_fp64_recurrence(B, T, H, HV, gate, chunk):
     q, k, v, g, beta, A_log, dt_bias, h0 = _inputs(B, T, H, HV, gate)
     lb, scale = -5.0, 128 ** -0.5
     bounds = {}
     o, ht, Aqk, Akk = kda_chunk_model(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lb, scale=scale,
-                                      initial_state=h0, bounds=bounds)
+                                      initial_state=h0, bounds=bounds, chunk=chunk)
     o_ref, ht_ref = kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
                                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log,
                                   dt_bias=dt_bias, lower_bound=lb, use_beta_sigmoid_in_kernel=True)
     eo, eh = rel_rms(o_ref, o), rel_rms(ht_ref, ht)
-    print(f"\nB{B} T{T} H{H} HV{HV} {gate}: o {eo:.2e}  ht {eh:.2e}  bounds {bounds}")
+    print(f"\nchunk {chunk} B{B} T{T} H{H} HV{HV} {gate}: o {eo:.2e}  ht {eh:.2e}  bounds {bounds}")
     assert eo < 0.005 and eh < 0.005, (eo, eh)
     for kind in ("e", "f", "Qg/Kg", "Kd"):
         assert bounds[kind] <= 0.0, (kind, bounds)
     assert bounds["P"] <= 118, bounds
     assert not torch.isnan(Aqk).any() and not torch.isnan(Akk).any()
-    assert (torch.triu(Akk[0, : min(T, C), 0].reshape(-1, C)[:, : min(T, C)], 1) == 0).all()
+    assert (torch.triu(Akk[0, : min(T, chunk), 0].reshape(-1, chunk)[:, : min(T, chunk)], 1) == 0).all()
 
 
-def test_chunk_model_varlen_gva_state_layout():
+@pytest.mark.parametrize("chunk", [64, 32])
+def test_chunk_model_varlen_gva_state_layout(chunk):
     """Varlen with an empty sequence first and last, tails, no h0 / h0 in [V, K] layout, allow_neg_eigval."""
     cu = torch.tensor([0, 0, 70, 70, 133, 197, 197], dtype=torch.int64)
     T = int(cu[-1])
@@ -217,13 +222,14 @@ def test_chunk_model_varlen_gva_state_layout():
     N, lb, scale = len(cu) - 1, -2.5, 0.1
     h0 = torch.randn(N, 2, 128, 128, generator=torch.Generator().manual_seed(5)) * 0.5
     o, ht, _, _ = kda_chunk_model(q, k, v, g, beta, A_log=None, dt_bias=dt_bias, lower_bound=lb, scale=scale,
-                                  initial_state=h0, allow_neg_eigval=True, cu_seqlens=cu, state_v_first=True)
+                                  initial_state=h0, allow_neg_eigval=True, cu_seqlens=cu, state_v_first=True,
+                                  chunk=chunk)
     o_ref, ht_ref = kda_recurrent(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
                                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=None,
                                   dt_bias=dt_bias, lower_bound=lb, use_beta_sigmoid_in_kernel=True,
                                   allow_neg_eigval=True, state_v_first=True, cu_seqlens=cu)
     eo, eh = rel_rms(o_ref, o), rel_rms(ht_ref, ht)
-    print(f"\nvarlen: o {eo:.2e}  ht {eh:.2e}")
+    print(f"\nchunk {chunk} varlen: o {eo:.2e}  ht {eh:.2e}")
     assert eo < 0.005 and eh < 0.005, (eo, eh)
     assert torch.equal(ht[0], h0[0]) and torch.equal(ht[2], h0[2]) and torch.equal(ht[5], h0[5])
 
