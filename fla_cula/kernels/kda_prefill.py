@@ -46,7 +46,7 @@ _PARAM_DTYPES = (torch.float32, torch.bfloat16)
 
 
 # block_v None: block_v_for(); 64 or 128: forced (tests, benchmarks). wgmma: the state-side products (phases
-# 6-8) on warpgroup MMA (docs/kda_sm90.md "v2.1 on the H200": 20% faster per chunk than mma.sync at block_v 128);
+# 6-8) on warpgroup MMA (docs/kda_sm90.md "v2.1": 20% faster per chunk than mma.sync at block_v 128);
 # False: the same phases on mma.sync, kept for comparison.
 _TUNING = {"block_v": None, "wgmma": True}
 
@@ -129,7 +129,7 @@ def plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens
 # and dA_log over 8 draws, 1.11x FLA's error), but the forward under grad (FLA's l2norm on the host, the Aqk/Akk
 # writes) has not been timed against FLA's, and the cost model below is for the inference forward. Without grad
 # the kernel serves a call when a cost model predicts it below ROUTE_GAIN x FLA's time. Measured on the H200
-# (graph replay, docs/kda_sm90.md "v2.1 on the H200"): a CTA takes US_PER_CHUNK[block_v] per 64-token chunk
+# (graph replay, docs/kda_sm90.md "v2.1"): a CTA takes US_PER_CHUNK[block_v] per 64-token chunk
 # whatever the grid (1 CTA per SM, latency-bound phases), so the kernel's time is waves x chunks per CTA; FLA's
 # chunk-parallel kernels take ~FLA_NS_PER_TOKEN_HEAD per token and value head on large calls. The tests set
 # ROUTE_GRAD and turn the model off.
