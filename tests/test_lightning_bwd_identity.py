@@ -18,6 +18,7 @@ parity.autograd_ref.lightning (fp64), with fla_cula.reference's recurrence as th
 import pytest
 import torch
 
+from fla_cula.ops.chunk_autograd import lightning_bwd_by_forward
 from fla_cula.reference.compare import rel_rms
 from fla_cula.reference.lightning import lightning_g_gamma, simple_gla_recurrent
 from parity import autograd_ref
@@ -25,15 +26,10 @@ from parity import autograd_ref
 F64 = torch.float64
 
 
-def _backward_by_forward_runs(q, k, v, g_gamma, scale, h0, do, dht, cu_seqlens):
-    gamma = torch.exp(g_gamma.to(F64))[None, :, None, None]          # [1, H, 1, 1]
-    run = dict(g_gamma=g_gamma, cu_seqlens=cu_seqlens)
-    dq, _ = simple_gla_recurrent(do, v, k, scale=scale, initial_state=h0.transpose(-1, -2), **run)
-    d_init = dht / gamma
-    dk, _ = simple_gla_recurrent(v, do, scale * q, scale=1.0, initial_state=d_init.transpose(-1, -2), reverse=True,
-                                 **run)
-    dv, D0 = simple_gla_recurrent(k, scale * q, do, scale=1.0, initial_state=d_init, reverse=True, **run)
-    return dq, dk, dv, gamma * D0
+def _reference_run(q, k, v, g_gamma, scale, initial_state, output_final_state, cu_seqlens):
+    """The forward as lightning_bwd_by_forward calls it, in fp64 (fla_cula.reference)."""
+    return simple_gla_recurrent(q, k, v, g_gamma, scale=scale, initial_state=initial_state,
+                                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
 @pytest.mark.parametrize("lens", [None, (0, 37, 100, 164)], ids=["dense", "varlen"])
@@ -56,6 +52,41 @@ def test_backward_is_three_forward_runs(lens, layer):
     loss = (o * x["do"]).sum() + (ht * dht).sum()
     want = torch.autograd.grad(loss, [leaves[n] for n in ("q", "k", "v", "h0")])
 
-    got = _backward_by_forward_runs(x["q"], x["k"], x["v"], g_gamma, scale, h0, x["do"], dht, cu)
+    got = lightning_bwd_by_forward(_reference_run, x["q"], x["k"], x["v"], g_gamma, scale, h0, x["do"], dht, cu)
     for name, w, g in zip(("dq", "dk", "dv", "dh0"), want, got, strict=True):
         assert rel_rms(w, g) < 1e-12, (name, rel_rms(w, g))
+
+
+@pytest.mark.parametrize("with_states", [True, False], ids=["h0-ht", "no-states"])
+def test_chunk_function_takes_forward_runs(monkeypatch, with_states):
+    """ChunkLightningFunction with LIGHTNING_BACKWARD = "forward_runs" and a forward that carries ``run``: its
+    gradients are autograd's (fp64 forward on the CPU as the kernel's stand-in), with and without h0 / ht."""
+    from fla_cula.ops import chunk_autograd as ca
+
+    monkeypatch.setattr(ca, "LIGHTNING_BACKWARD", "forward_runs")
+    gen = torch.Generator().manual_seed(11)
+    B, T, H, D = 2, 40, 3, 8
+    g_gamma = lightning_g_gamma(H, 1, 4)
+    x = {n: torch.randn(B, T, H, D, generator=gen, dtype=F64) for n in ("q", "k", "v", "do")}
+    h0 = torch.randn(B, H, D, D, generator=gen, dtype=F64) if with_states else None
+    dht = torch.randn(B, H, D, D, generator=gen, dtype=F64) if with_states else None
+    cfg = ca.LightningChunkConfig(scale=D ** -0.5, output_final_state=with_states, chunk_size=64)
+
+    def fwd(q, k, v, g, initial_state, cu_seqlens, cfg, chunk_indices=None):
+        return _reference_run(q, k, v, g, cfg.scale, initial_state, cfg.output_final_state, cu_seqlens)
+    fwd.run = _reference_run
+
+    def grads(apply):
+        leaves = {n: x[n].clone().requires_grad_(True) for n in ("q", "k", "v")}
+        if h0 is not None:
+            leaves["h0"] = h0.clone().requires_grad_(True)
+        o, ht = apply(leaves)
+        loss = (o * x["do"]).sum() + (0 if dht is None else (ht * dht).sum())
+        return torch.autograd.grad(loss, list(leaves.values()))
+
+    ours = grads(lambda lv: ca.ChunkLightningFunction.apply(fwd, cfg, None, lv["q"], lv["k"], lv["v"], g_gamma,
+                                                             lv.get("h0")))
+    want = grads(lambda lv: autograd_ref.lightning(lv["q"], lv["k"], lv["v"], 1, 4, scale=cfg.scale,
+                                                   initial_state=lv.get("h0"), reverse=False, cu_seqlens=None))
+    for w, g in zip(want, ours, strict=True):
+        assert rel_rms(w, g) < 1e-12, rel_rms(w, g)

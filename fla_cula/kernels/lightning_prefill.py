@@ -1109,6 +1109,7 @@ def plan_chunk(q, k, v, g_gamma, initial_state, cu_seqlens, cfg):
 
     fwd.size_reason = lambda q, k, v, g_gamma, h0, cu, cfg: (check_sizes(q, k, v, h0, cu) or
                                                              small_grid_reason(q, v, cu, go.split_knob, go.bv))
+    fwd.run = run   # any signature, for chunk_autograd.lightning_bwd_by_forward's three runs
     return None, fwd
 
 

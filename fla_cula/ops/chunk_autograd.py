@@ -132,10 +132,49 @@ class LightningChunkConfig:
     chunk_size: int
 
 
+# The lightning backward: "fla", FLA's chunk_simple_gla_bwd (the default), or "forward_runs", the recurrence
+# run forwards once and backwards twice by our forward kernel (lightning_bwd_by_forward). forward_runs matches
+# fp64 autograd on the CPU (tests/test_lightning_bwd_identity.py) but has not yet run on the H200.
+LIGHTNING_BACKWARD = "fla"
+
+
+def lightning_bwd_by_forward(run, q, k, v, g_gamma, scale, h0, do, dht, cu_seqlens):
+    """(dq, dk, dv, dh0) of S_t = gamma S_{t-1} + k_t v_t^T, o_t = scale S_t^T q_t from three forward runs
+    (docs/lightning_prefill.md "A backward of our own"). run(q, k, v, g_gamma, scale, initial_state,
+    output_final_state, cu_seqlens) -> (o, final_state or None) is the forward, g_gamma its natural-log decay
+    [H]. With D_t = dL/dS_t = scale q_t do_t^T + gamma D_{t+1} (D_{T-1} = scale q do^T + dht):
+        dq = forward(do, v, k; h0^T)                      its state is S^T: o = scale S do
+        dk = forward(v, do, q; E^T), reversed             scale x its state is D^T: o = D v
+        dv = forward(k, q, do; E), reversed               scale x its state is D: o = D^T k
+        dh0 = gamma scale x the dv run's final state      (= gamma D_0)
+    with E = dht / (gamma scale), which the reversed run's first token decays to dht / scale. Reversed runs
+    flip the token axis: a packed varlen batch then holds its sequences last to first (cu_seqlens -> T - cu,
+    flipped; the per-sequence states flipped with them)."""
+    T = q.shape[1]
+    wdt = torch.promote_types(do.dtype if dht is None else dht.dtype, torch.float32)   # fp32 (fp64 in tests)
+    gamma = torch.exp(g_gamma.to(wdt)).view(1, -1, 1, 1)
+    dq, _ = run(do, v, k, g_gamma, scale, None if h0 is None else h0.transpose(-1, -2).contiguous(), False,
+                cu_seqlens)
+    varlen = cu_seqlens is not None
+
+    def seqs(x):   # per-sequence states in the reversed runs' order
+        return None if x is None else (x.flip(0) if varlen else x)
+
+    cu_r = None if not varlen else (T - cu_seqlens).flip(0)
+    e = seqs(None if dht is None else dht.to(wdt) / (gamma * scale))
+    q_r, k_r, v_r, do_r = (x.flip(1) for x in (q, k, v, do))
+    dk, _ = run(v_r, do_r, q_r, g_gamma, scale, None if e is None else e.transpose(-1, -2).contiguous(), False, cu_r)
+    dv, d0 = run(k_r, q_r, do_r, g_gamma, scale, e, h0 is not None, cu_r)
+    dh0 = None if h0 is None else seqs(d0) * (gamma * scale)
+    return dq, dk.flip(1), dv.flip(1), dh0
+
+
 class ChunkLightningFunction(torch.autograd.Function):
     """forward: ``fwd(q, k, v, g_gamma, initial_state, cu_seqlens, cfg, chunk_indices) -> (o, final_state)``
     with g_gamma the natural-log decay [H]; backward: FLA 0.6.0's ChunkSimpleGLAFunction.backward for
-    g=None (lightning's case), with g_gamma in log2 units as FLA saves it."""
+    g=None (lightning's case), with g_gamma in log2 units as FLA saves it, or (LIGHTNING_BACKWARD
+    "forward_runs", for a forward that carries its kernel's ``run``, K = V: the runs swap the roles of q, k and
+    v) lightning_bwd_by_forward."""
 
     @staticmethod
     @input_guard
@@ -143,8 +182,8 @@ class ChunkLightningFunction(torch.autograd.Function):
     def forward(ctx, fwd, cfg: LightningChunkConfig, cu_seqlens, q, k, v, g_gamma, initial_state):
         chunk_indices = None if cu_seqlens is None else prepare_chunk_indices(cu_seqlens, cfg.chunk_size)
         o, ht = fwd(q, k, v, g_gamma, initial_state, cu_seqlens, cfg, chunk_indices)
-        ctx.save_for_backward(q, k, v, g_gamma * RCP_LN2, initial_state, chunk_indices)
-        ctx.cfg, ctx.cu_seqlens = cfg, cu_seqlens
+        ctx.save_for_backward(q, k, v, g_gamma * RCP_LN2, initial_state, chunk_indices, g_gamma)
+        ctx.cfg, ctx.cu_seqlens, ctx.run = cfg, cu_seqlens, getattr(fwd, "run", None)
         return o.to(q.dtype), ht
 
     @staticmethod
@@ -152,11 +191,15 @@ class ChunkLightningFunction(torch.autograd.Function):
     @autocast_custom_bwd
     def backward(ctx, do, dht):
         cfg: LightningChunkConfig = ctx.cfg
-        q, k, v, g_gamma, initial_state, chunk_indices = ctx.saved_tensors
-        dq, dk, dv, _, dh0 = chunk_simple_gla_bwd(
-            q=q, k=k, v=v, g=None, g_gamma=g_gamma, initial_state=initial_state, do=do, dht=dht, scale=cfg.scale,
-            cu_seqlens=ctx.cu_seqlens, chunk_size=cfg.chunk_size, chunk_indices=chunk_indices,
-            state_v_first=False)
+        q, k, v, g_gamma_log2, initial_state, chunk_indices, g_gamma = ctx.saved_tensors
+        if LIGHTNING_BACKWARD == "forward_runs" and ctx.run is not None and q.shape[-1] == v.shape[-1]:
+            dq, dk, dv, dh0 = lightning_bwd_by_forward(ctx.run, q, k, v, g_gamma, cfg.scale, initial_state, do, dht,
+                                                       ctx.cu_seqlens)
+        else:
+            dq, dk, dv, _, dh0 = chunk_simple_gla_bwd(
+                q=q, k=k, v=v, g=None, g_gamma=g_gamma_log2, initial_state=initial_state, do=do, dht=dht,
+                scale=cfg.scale, cu_seqlens=ctx.cu_seqlens, chunk_size=cfg.chunk_size, chunk_indices=chunk_indices,
+                state_v_first=False)
         return None, None, None, dq.to(q), dk.to(k), dv.to(v), None, dh0
 
 
