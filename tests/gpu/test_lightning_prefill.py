@@ -382,3 +382,63 @@ def test_split_cuda_graph_and_no_recompile():
         assert (jit.stats["compiled"], jit.stats["disk_hits"]) == n0
     finally:
         lp.set_tuning()
+
+
+# ---------------------------------------------------------------------------------------------
+# The backward from forward runs (fla_cula.ops.chunk_autograd.lightning_bwd_by_forward, off by default:
+# docs/lightning_prefill.md "A backward of our own"): the kernel's run() as the three runs
+
+BWD_CASES = {
+    "B2-T1000-H8-h0-ht": dict(B=2, T=1000, H=8),
+    "varlen-h0-ht": dict(B=1, T=2000, H=8, lens=(0, 15, 100, 300, 1200, 2000)),
+    "B2-T300-H8-no-states": dict(B=2, T=300, H=8, states=False),
+    "B1-T65-H4-D64-fp16": dict(B=1, T=65, H=4, D=64, dtype=torch.float16),
+}
+
+
+@pytest.mark.parametrize("case", list(BWD_CASES))
+def test_backward_by_forward_runs(case, fla_fns):
+    """dq, dk, dv, dh0 from lightning_bwd_by_forward(lightning_prefill.run, ...) against fp64 autograd
+    (parity.autograd_ref.lightning) and FLA's chunk_lightning_attn backward on the same inputs: each within FLA's
+    tolerance and 1.5x FLA's error (parity.rules.judge)."""
+    from fla_cula.ops.chunk_autograd import lightning_bwd_by_forward
+    from parity import autograd_ref, rules
+
+    c = dict(BWD_CASES[case])
+    lens, states = c.pop("lens", None), c.pop("states", True)
+    B, T, H, D = c["B"], c["T"], c["H"], c.get("D", 128)
+    cu = None if lens is None else torch.tensor(lens, dtype=torch.int64, device=DEV)
+    N = B if cu is None else len(lens) - 1
+    q, k, v, h0 = _inputs(B, T, H, D, dtype=c.get("dtype", torch.bfloat16), h0=torch.float32 if states else None,
+                          N=N, seed=3)
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    do = torch.randn(B, T, H, D, device=DEV, generator=gen).to(q.dtype)
+    dht = torch.randn(N, H, D, D, device=DEV, generator=gen) if states else None
+    scale, layer = D ** -0.5, 0
+    g = lightning_g_gamma(H, layer, 24, device=DEV)
+
+    ours = lightning_bwd_by_forward(_lp().run, q, k, v, g, scale, h0, do, dht, cu)
+
+    def grads(fn, dtype):
+        leaves = [None if x is None else x.detach().to(dtype).requires_grad_(True) for x in (q, k, v, h0)]
+        o, ht = fn(*leaves)
+        loss = (o.double() * do.double()).sum() + (0 if dht is None else (ht.double() * dht.double()).sum())
+        return torch.autograd.grad(loss, [x for x in leaves if x is not None])
+
+    ref = grads(lambda q_, k_, v_, h_: autograd_ref.lightning(q_, k_, v_, layer, 24, scale=scale, initial_state=h_,
+                                                              reverse=False, cu_seqlens=cu), torch.float64)
+    fla = grads(lambda q_, k_, v_, h_: fla_fns["chunk_lightning_attn"](q_, k_, v_, layer, 24, scale=scale,
+                                                                       initial_state=h_, output_final_state=True,
+                                                                       cu_seqlens=cu), q.dtype)
+    names = ["dq", "dk", "dv"] + (["dh0"] if states else [])
+    assert ours[3] is None if not states else ours[3] is not None
+    bad, errs = [], {}
+    for name, r, o, f in zip(names, ref, ours, fla, strict=False):
+        assert torch.isfinite(o).all(), f"{name}: non-finite"
+        e_c, e_f = rules.rel_rms(r, o), rules.rel_rms(r, f)
+        errs[name] = (e_c, e_f)
+        ok, note = rules.judge(name, e_c, e_f, rules.max_abs(r, o), o.dtype)
+        if not ok:
+            bad.append(note or name)
+    print(f"\n{case}: " + " ".join(f"{n}={a:.2e}/{b:.2e}" for n, (a, b) in errs.items()))
+    assert not bad, (bad, errs)
