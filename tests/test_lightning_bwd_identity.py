@@ -1,18 +1,9 @@
 """The lightning-attention backward as three runs of its own forward recurrence (CPU, fp64).
 
-The design fact behind issue 17's backward plan (docs/lightning_prefill.md "A backward of our own"): for
-S_t = gamma S_{t-1} + k_t v_t^T, o_t = scale S_t^T q_t (S_{-1} = h0, final state S_{T-1}), with upstream
-gradients do and dht, and D_t = dL/dS_t = scale q_t do_t^T + gamma D_{t+1} (D_{T-1} = scale q do^T + dht):
-
-    dq  = forward(q=do, k=v, v=k, h0=h0^T, scale)                      S' = S^T, o' = scale S do
-    dk  = forward(q=v, k=do, v=scale q, h0=(dht / gamma)^T, reverse)   S' = D^T, o' = D v
-    dv  = forward(q=k, k=scale q, v=do, h0=dht / gamma, reverse)       S' = D,   o' = D^T k
-    dh0 = gamma x (final state of the dv run)                          = gamma D_0
-
-so a backward kernel is the forward kernel run forwards once and backwards once (dk and dv share D). The
-h0 = dht / gamma form makes the reversed run's first token see D_{T-1} = scale q do^T + dht under the
-forward's convention S_0 = gamma h0 + k_0 v_0^T. This checks the identity against autograd through
-parity.autograd_ref.lightning (fp64), with fla_cula.reference's recurrence as the forward runs, varlen included.
+fla_cula.ops.chunk_autograd.lightning_bwd_by_forward (its docstring holds the identity; docs/lightning_prefill.md
+"A backward of our own") with fla_cula.reference's fp64 recurrence as the forward, against autograd through
+parity.autograd_ref.lightning: the function alone (dense, varlen, K != V) and ChunkLightningFunction end to end
+with LIGHTNING_BACKWARD = "forward_runs" (with and without h0 / ht).
 """
 
 import pytest
