@@ -17,10 +17,10 @@ from parity import autograd_ref
 F64 = torch.float64
 
 
-def _reference_run(q, k, v, g_gamma, scale, initial_state, output_final_state, cu_seqlens):
+def _reference_run(q, k, v, g_gamma, scale, initial_state, output_final_state, cu_seqlens, reverse=False):
     """The forward as lightning_bwd_by_forward calls it, in fp64 (fla_cula.reference)."""
     return simple_gla_recurrent(q, k, v, g_gamma, scale=scale, initial_state=initial_state,
-                                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                                output_final_state=output_final_state, reverse=reverse, cu_seqlens=cu_seqlens)
 
 
 @pytest.mark.parametrize("lens", [None, (0, 37, 100, 164)], ids=["dense", "varlen"])

@@ -128,7 +128,7 @@ def test_config_key_has_no_sizes():
     for size in ("B", "T", "N", "H"):
         assert size not in keys
     assert set(keys) == {"dtype", "K", "V", "bv", "chunk", "has_h0", "h0_dtype", "has_ht", "varlen", "cu_dtype",
-                         "kv_stages", "mma", "has_o", "seg"}
+                         "kv_stages", "mma", "has_o", "seg", "reverse"}
     with pytest.raises(ValueError, match="bv=16"):
         lp.LightningPrefillConfig(bv=16)
     with pytest.raises(ValueError, match="bv=32 chunk=64 mma=wgmma"):

@@ -223,3 +223,15 @@ def test_chunk_kda_same_errors_as_fla(case):
             fn(q, k, v, g, beta, **kw)
         errors.append((type(ei.value), str(ei.value)))
     assert errors[0] == errors[1]
+
+
+def test_lightning_g_gamma_cache_is_not_an_inference_tensor():
+    """The cached lightning decay is made outside inference mode: a first call under torch.inference_mode()
+    must not leave an inference tensor that a later training call fails to save for backward (H200, session 14:
+    test_chunk_lightning_grads_bit_identical_to_fla failed so after an inference test in the same process)."""
+    from fla_cula.ops.lightning_attn import _g_gamma_cache, g_gamma_for
+    key = (3, 1, 7, torch.device("cpu"))
+    _g_gamma_cache.pop(key, None)
+    with torch.inference_mode():
+        t = g_gamma_for(*key)
+    assert not t.is_inference() and g_gamma_for(*key) is t

@@ -34,7 +34,7 @@ count, empty past each sequence's end). On by default where the heuristic predic
 set_tuning(split=0 | P) turns it off or forces P.
 
 Static (compile key): dtype (q, k, v, o), K, V, BV, chunk, has_h0 and its dtype, has_ht, varlen and
-cu_seqlens dtype, kv_stages, mma, has_o, seg. Symbolic: B, T, H, N (one compile serves every batch, length,
+cu_seqlens dtype, kv_stages, mma, has_o, seg, reverse. Symbolic: B, T, H, N (one compile serves every batch, length,
 head count) and the split's segment length and count.
 State layout: K-major [N, H, K, V] only (FLA's chunk_lightning_attn never passes state_v_first).
 """
@@ -96,6 +96,10 @@ class LightningPrefillConfig:
     # n = z // nseg, tokens [p * seg_len, (p + 1) * seg_len) of it (runtime scalars seg_len, nseg; empty past
     # the sequence's end); h0 / final state are indexed by the segment z.
     seg: bool = False
+    # True: each sequence (or segment of the split) runs last token to first, FLA's reverse=True:
+    # S_t = exp(g) S_{t+1} + k_t v_t^T, o_t = scale S_t^T q_t, final_state = S_0. Only the token rows the
+    # CTA loads and stores change (make_span); the backward's two reversed runs use it (lightning_bwd_by_forward).
+    reverse: bool = False
 
     def __post_init__(self):
         if not self.has_o and self.mma != "sync":
@@ -165,9 +169,14 @@ def _swz(smem, DT, layout):
     return smem.allocate_tensor(DT, layout.outer, byte_alignment=1024, swizzle=layout.inner)
 
 
-def _issue_rows(atom, mX, sX, b, bos, t0, Tn, h, col0, width):
-    """cp.async one chunk's rows [t0, t0 + C) of mX[b, bos + ., h, col0 : col0 + width] into sX (C x width):
-    16-byte vectors spread over the CTA's threads; the token index is clamped into the sequence."""
+def _tok(base, t, rev: bool):
+    """The memory row of logical token t of a span (make_span): base + t, or base - t for a reversed span."""
+    return base - t if rev else base + t
+
+
+def _issue_rows(atom, mX, sX, b, bos, t0, Tn, h, col0, width, rev=False):
+    """cp.async one chunk's logical rows [t0, t0 + C) of mX[b, _tok(bos, ., rev), h, col0 : col0 + width] into
+    sX (C x width): 16-byte vectors spread over the CTA's threads; the token index is clamped into the span."""
     tidx, _, _ = cute.arch.thread_idx()
     nv = width // VEC
     C = cute.size(sX, mode=[0])
@@ -175,15 +184,17 @@ def _issue_rows(atom, mX, sX, b, bos, t0, Tn, h, col0, width):
         idx = tidx + NTHR * it
         r = idx // nv
         cv = idx % nv
-        tok = bos + cutlass.min(t0 + r, Tn - 1)
+        tok = _tok(bos, cutlass.min(t0 + r, Tn - 1), rev)
         src = _al(cute.local_tile(mX[b, tok, h, None], (VEC,), (col0 // VEC + cv,)), 16)
         cute.copy(atom, src, _rowvec(sX, r, cv))
 
 
 def make_span(cfg):
-    """span(mX, mCu, z, seg_len, nseg) -> (batch row b, first token bos, length Tn) of the CTA's token range:
-    sequence z (make_seq_span: cu_seqlens values clamped), or with cfg.seg segment p = z % nseg of sequence
-    n = z // nseg: tokens [min(p seg_len, L_n), min((p + 1) seg_len, L_n)) of it (empty past its end)."""
+    """span(mX, mCu, z, seg_len, nseg) -> (batch row b, base, length Tn) of the CTA's token range: sequence z
+    (make_seq_span: cu_seqlens values clamped), or with cfg.seg segment p = z % nseg of sequence n = z // nseg:
+    logical tokens [min(p seg_len, L_n), min((p + 1) seg_len, L_n)) of it (empty past its end). Logical token t
+    of the range is memory row _tok(base, t, cfg.reverse): base + t, or with cfg.reverse (the sequence traversed
+    last to first, FLA's reverse=True) base - t, base then being the range's last row."""
     seq_span = make_seq_span(cfg)
 
     @cute.jit
@@ -192,9 +203,11 @@ def make_span(cfg):
         if cutlass.const_expr(cfg.seg):
             n = z // nseg
         b, bos, Tn = seq_span(mX, mCu, n)
+        if cutlass.const_expr(cfg.reverse):
+            bos = bos + (Tn - 1)
         if cutlass.const_expr(cfg.seg):
             s0 = cutlass.min((z - n * nseg) * seg_len, Tn)
-            bos = bos + s0
+            bos = _tok(bos, s0, cfg.reverse)
             Tn = cutlass.min(seg_len, Tn - s0)
         return b, bos, Tn
 
@@ -214,6 +227,7 @@ class LightningPrefill:
         KP, VP, CP = K + PAD, BV + PAD, C + PAD
         S = cfg.kv_stages
         HO = cfg.has_o
+        RV = cfg.reverse
         span = make_span(cfg)
 
         @cute.kernel
@@ -308,9 +322,9 @@ class LightningPrefill:
             nch = (Tn + C - 1) // C
             if nch > 0:
                 if cutlass.const_expr(HO):
-                    _issue_rows(g2s, mQ, sQ, b, bos, Int32(0), Tn, h, 0, K)
-                _issue_rows(g2s, mK, sK0, b, bos, Int32(0), Tn, h, 0, K)
-                _issue_rows(g2s, mV, sV0, b, bos, Int32(0), Tn, h, v0, BV)
+                    _issue_rows(g2s, mQ, sQ, b, bos, Int32(0), Tn, h, 0, K, RV)
+                _issue_rows(g2s, mK, sK0, b, bos, Int32(0), Tn, h, 0, K, RV)
+                _issue_rows(g2s, mV, sV0, b, bos, Int32(0), Tn, h, v0, BV, RV)
                 cute.arch.cp_async_commit_group()
 
             for c in cutlass.range(nch, unroll=1):
@@ -328,8 +342,8 @@ class LightningPrefill:
                     # next chunk's K, V into the other stage: its readers (chunk c - 1) passed barrier 3
                     if c + 1 < nch:
                         st1 = (c + 1) % S
-                        _issue_rows(g2s, mK, _stage(sKbuf, st1, C, K, KP), b, bos, t0 + C, Tn, h, 0, K)
-                        _issue_rows(g2s, mV, _stage(sVbuf, st1, C, BV, VP), b, bos, t0 + C, Tn, h, v0, BV)
+                        _issue_rows(g2s, mK, _stage(sKbuf, st1, C, K, KP), b, bos, t0 + C, Tn, h, 0, K, RV)
+                        _issue_rows(g2s, mV, _stage(sVbuf, st1, C, BV, VP), b, bos, t0 + C, Tn, h, v0, BV, RV)
                         cute.arch.cp_async_commit_group()
                 # S0 (bf16) for GEMM 2a: its readers of the previous chunk passed barrier 2 of that chunk
                 if cutlass.const_expr(HO):
@@ -374,7 +388,7 @@ class LightningPrefill:
 
                 if cutlass.const_expr(HO):
                     if c + 1 < nch:
-                        _issue_rows(g2s, mQ, sQ, b, bos, t0 + C, Tn, h, 0, K)
+                        _issue_rows(g2s, mQ, sQ, b, bos, t0 + C, Tn, h, 0, K, RV)
                         cute.arch.cp_async_commit_group()
 
                     # GEMM 2b: O += P V
@@ -394,8 +408,8 @@ class LightningPrefill:
 
                 if cutlass.const_expr(S == 1):
                     if c + 1 < nch:
-                        _issue_rows(g2s, mK, sK, b, bos, t0 + C, Tn, h, 0, K)
-                        _issue_rows(g2s, mV, sV, b, bos, t0 + C, Tn, h, v0, BV)
+                        _issue_rows(g2s, mK, sK, b, bos, t0 + C, Tn, h, 0, K, RV)
+                        _issue_rows(g2s, mV, sV, b, bos, t0 + C, Tn, h, v0, BV, RV)
                         cute.arch.cp_async_commit_group()
 
                 if cutlass.const_expr(HO):
@@ -406,8 +420,8 @@ class LightningPrefill:
                         if r < L:
                             ro = cute.make_rmem_tensor((VEC,), DT)
                             cute.autovec_copy(_rowvec(sO, r, cv), ro)
-                            dst = _al(cute.local_tile(mO[b, bos + t0 + r, h, None], (VEC,), (v0 // VEC + cv,)),
-                                      16)
+                            dst = _al(cute.local_tile(mO[b, _tok(bos, t0 + r, RV), h, None], (VEC,),
+                                                      (v0 // VEC + cv,)), 16)
                             cute.autovec_copy(ro, dst)
 
             if cutlass.const_expr(cfg.has_ht):
@@ -455,6 +469,7 @@ class LightningPrefill:
         K, BV, C = cfg.K, cfg.bv, cfg.chunk
         DT = _DT[cfg.dtype]
         VP = BV + PAD
+        RV = cfg.reverse
         span = make_span(cfg)
         KMJ, MNJ = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
 
@@ -525,9 +540,9 @@ class LightningPrefill:
 
             nch = (Tn + C - 1) // C
             if nch > 0:
-                _issue_rows(g2s, mQ, sQ, b, bos, Int32(0), Tn, h, 0, K)
-                _issue_rows(g2s, mK, sK, b, bos, Int32(0), Tn, h, 0, K)
-                _issue_rows(g2s, mV, sV, b, bos, Int32(0), Tn, h, v0, BV)
+                _issue_rows(g2s, mQ, sQ, b, bos, Int32(0), Tn, h, 0, K, RV)
+                _issue_rows(g2s, mK, sK, b, bos, Int32(0), Tn, h, 0, K, RV)
+                _issue_rows(g2s, mV, sV, b, bos, Int32(0), Tn, h, v0, BV, RV)
                 cute.arch.cp_async_commit_group()
 
             for c in cutlass.range(nch, unroll=1):
@@ -567,7 +582,7 @@ class LightningPrefill:
                 cute.arch.barrier()  # (2) P and Vd visible; every read of sQ and sS0 is done
 
                 if c + 1 < nch:
-                    _issue_rows(g2s, mQ, sQ, b, bos, t0 + C, Tn, h, 0, K)
+                    _issue_rows(g2s, mQ, sQ, b, bos, t0 + C, Tn, h, 0, K, RV)
                     cute.arch.cp_async_commit_group()
 
                 # GEMM 2b and GEMM 3 in one wgmma group
@@ -584,8 +599,8 @@ class LightningPrefill:
                 cute.arch.barrier()  # (3) sO visible; every read of sK, sV, sVd, sP is done
 
                 if c + 1 < nch:
-                    _issue_rows(g2s, mK, sK, b, bos, t0 + C, Tn, h, 0, K)
-                    _issue_rows(g2s, mV, sV, b, bos, t0 + C, Tn, h, v0, BV)
+                    _issue_rows(g2s, mK, sK, b, bos, t0 + C, Tn, h, 0, K, RV)
+                    _issue_rows(g2s, mV, sV, b, bos, t0 + C, Tn, h, v0, BV, RV)
                     cute.arch.cp_async_commit_group()
 
                 for it in cutlass.range_constexpr(C * (BV // VEC) // NTHR):
@@ -595,7 +610,8 @@ class LightningPrefill:
                     if r < L:
                         ro = cute.make_rmem_tensor((VEC,), DT)
                         cute.autovec_copy(_rowvec(sO, r, cv), ro)
-                        dst = _al(cute.local_tile(mO[b, bos + t0 + r, h, None], (VEC,), (v0 // VEC + cv,)), 16)
+                        dst = _al(cute.local_tile(mO[b, _tok(bos, t0 + r, RV), h, None], (VEC,),
+                                                  (v0 // VEC + cv,)), 16)
                         cute.autovec_copy(ro, dst)
 
             if cutlass.const_expr(cfg.has_ht):
@@ -675,6 +691,10 @@ def representative_configs() -> list:
         P(has_h0=True, has_ht=False, seg=True, mma="sync"),
         P(has_h0=True, has_ht=False, seg=True, varlen=True, mma="sync"),
         P(has_h0=True, has_ht=False, seg=True),
+        # reversed runs (the backward's dk and dv runs), unsplit and split
+        P(has_h0=True, has_ht=True, reverse=True),
+        P(has_o=False, has_ht=True, seg=True, kv_stages=2, varlen=True, reverse=True),
+        P(has_h0=True, has_ht=False, seg=True, varlen=True, reverse=True),
     ]
 
 
@@ -1045,10 +1065,11 @@ def check_sizes(q, k, v, initial_state, cu_seqlens) -> str | None:
     return None
 
 
-def plan(q, k, v, g_gamma, scale, initial_state, output_final_state, cu_seqlens):
+def plan(q, k, v, g_gamma, scale, initial_state, output_final_state, cu_seqlens, reverse=False):
     """check_static(), then the compiled kernel for this size-free signature: (reason, None), or (None, go)
     where go(args) runs any call whose arguments have the same signature and pass check_sizes()
-    (go.size_reason, which routing calls on every call). Output shapes are read from each call's args."""
+    (go.size_reason, which routing calls on every call). Output shapes are read from each call's args.
+    reverse: every sequence runs last token to first (LightningPrefillConfig.reverse)."""
     r = check_static(q, k, v, g_gamma, scale, initial_state, output_final_state, cu_seqlens)
     if r:
         return r, None
@@ -1058,7 +1079,7 @@ def plan(q, k, v, g_gamma, scale, initial_state, output_final_state, cu_seqlens)
         dtype=FLOAT[q.dtype], K=K, V=V, has_h0=initial_state is not None,
         h0_dtype=FLOAT[initial_state.dtype] if initial_state is not None else "float32",
         has_ht=has_ht, varlen=cu_seqlens is not None,
-        cu_dtype=INT[cu_seqlens.dtype] if cu_seqlens is not None else "int32")
+        cu_dtype=INT[cu_seqlens.dtype] if cu_seqlens is not None else "int32", reverse=bool(reverse))
     fn = get_kernel(cfg)
     dev = q.device
     # the sequence split (set_tuning(split=...); the heuristic reads the tuned bv): its three kernels compile on
@@ -1132,10 +1153,11 @@ def small_grid_reason(q, v, cu_seqlens, split_knob, bv: int) -> str | None:
             f"(measured 0.39-0.58x at 16-32 CTAs) and the sequence split does not pay at this length")
 
 
-def run(*args):
+def run(*args, reverse=False):
     """chunk_simple_gla(g_gamma=...) forward on the arguments of check(); returns (o, final_state or None).
-    The op layer memoizes plan() per signature; this form serves tests and tools."""
-    r, go = plan(*args)
+    reverse=True: FLA's reverse=True (each sequence last token to first; final_state is the state after its
+    first token). The op layer memoizes plan() per signature; this form serves tests and tools."""
+    r, go = plan(*args, reverse=reverse)
     r = r or check_sizes(args[0], args[1], args[2], args[5], args[7])
     if r:
         raise ValueError(f"lightning_prefill: {r}")

@@ -11,6 +11,9 @@ Grad policy per op:
   ``forward_only``  the kernel has no backward: a call whose inputs require grad goes to FLA.
   ``fla_backward``  our forward inside an autograd Function whose backward is FLA 0.6.0's
                     (``fla_cula.ops.chunk_autograd``): training calls run our forward too.
+  ``own_backward``  the same Function with a backward of ours where the kernel ran the forward
+                    (lightning: three runs of the forward kernel, ``lightning_bwd_by_forward``);
+                    FLA's backward where FLA's forward ran.
 
 Stand-in: with ``FLA_CULA_STAND_IN=1`` a chunk op runs FLA's forward inside fla_cula's autograd Function in
 place of its kernel, which tests the training path's plumbing (gradients bit-identical to FLA's). Calls that
@@ -26,7 +29,9 @@ from types import ModuleType
 
 FORWARD_ONLY = "forward_only"
 FLA_BACKWARD = "fla_backward"
-GRAD_POLICY_TEXT = {FORWARD_ONLY: "forward only (grad -> FLA)", FLA_BACKWARD: "our forward + FLA's backward"}
+OWN_BACKWARD = "own_backward"
+GRAD_POLICY_TEXT = {FORWARD_ONLY: "forward only (grad -> FLA)", FLA_BACKWARD: "our forward + FLA's backward",
+                    OWN_BACKWARD: "our forward + our backward (FLA's where FLA's forward ran)"}
 
 
 @dataclass(frozen=True)
@@ -82,9 +87,9 @@ OPS: dict[str, OpSpec] = {s.op: s for s in (
     # other calls go to FLA with the reason (kda_prefill._route_reason; docs/kda_sm90.md, session 10).
     OpSpec("chunk_kda", "kda_prefill", FLA_BACKWARD, "stand_in_chunk_kda", _KDA_CHUNK_DIMS),
     # chunk_lightning_attn: the lightning prefill kernel (CuTe DSL; wgmma by default, an exact two-pass sequence
-    # split for grids that cannot fill the GPU): its 145 GPU tests passed on the H200 (session 9,
-    # docs/lightning_prefill.md).
-    OpSpec("chunk_lightning_attn", "lightning_prefill", FLA_BACKWARD, "stand_in_chunk_lightning_attn",
+    # split for grids that cannot fill the GPU; docs/lightning_prefill.md); its backward is three runs of the same
+    # kernel (chunk_autograd.LIGHTNING_BACKWARD, session 14).
+    OpSpec("chunk_lightning_attn", "lightning_prefill", OWN_BACKWARD, "stand_in_chunk_lightning_attn",
            _LIGHTNING_CHUNK_DIMS),
 )}
 

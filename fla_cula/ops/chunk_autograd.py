@@ -132,41 +132,34 @@ class LightningChunkConfig:
     chunk_size: int
 
 
-# The lightning backward: "fla", FLA's chunk_simple_gla_bwd (the default), or "forward_runs", the recurrence
-# run forwards once and backwards twice by our forward kernel (lightning_bwd_by_forward). forward_runs matches
-# fp64 autograd on the CPU (tests/test_lightning_bwd_identity.py) but has not yet run on the H200.
-LIGHTNING_BACKWARD = "fla"
+# The lightning backward: "forward_runs" (the default), the recurrence run forwards once and backwards twice by
+# our forward kernel (lightning_bwd_by_forward), or "fla", FLA's chunk_simple_gla_bwd. H200, session 14
+# (docs/lightning_prefill.md): fwd+bwd B2 T8192 H64 1.584 ms vs FLA 3.716 (with FLA's backward 3.293), peak
+# 1,056 MiB vs 3,088; B8 T4096 3.265 vs 7.233 ms; gradients within parity's rules vs fp64 autograd
+# (tests/gpu/test_lightning_prefill.py::test_backward_by_forward_runs).
+LIGHTNING_BACKWARD = "forward_runs"
 
 
 def lightning_bwd_by_forward(run, q, k, v, g_gamma, scale, h0, do, dht, cu_seqlens):
     """(dq, dk, dv, dh0) of S_t = gamma S_{t-1} + k_t v_t^T, o_t = scale S_t^T q_t from three forward runs
     (docs/lightning_prefill.md "A backward of our own"). run(q, k, v, g_gamma, scale, initial_state,
-    output_final_state, cu_seqlens) -> (o, final_state or None) is the forward, g_gamma its natural-log decay
-    [H]. With D_t = dL/dS_t = scale q_t do_t^T + gamma D_{t+1} (D_{T-1} = scale q do^T + dht):
+    output_final_state, cu_seqlens, reverse=False) -> (o, final_state or None) is the forward, g_gamma its
+    natural-log decay [H]; reverse=True runs each sequence last token to first (FLA's reverse). With
+    D_t = dL/dS_t = scale q_t do_t^T + gamma D_{t+1} (D_{T-1} = scale q do^T + dht):
         dq = forward(do, v, k; h0^T)                      its state is S^T: o = scale S do
         dk = forward(v, do, q; E^T), reversed             scale x its state is D^T: o = D v
         dv = forward(k, q, do; E), reversed               scale x its state is D: o = D^T k
         dh0 = gamma scale x the dv run's final state      (= gamma D_0)
-    with E = dht / (gamma scale), which the reversed run's first token decays to dht / scale. Reversed runs
-    flip the token axis: a packed varlen batch then holds its sequences last to first (cu_seqlens -> T - cu,
-    flipped; the per-sequence states flipped with them)."""
-    T = q.shape[1]
+    with E = dht / (gamma scale), which the reversed run's first token decays to dht / scale."""
     wdt = torch.promote_types(do.dtype if dht is None else dht.dtype, torch.float32)   # fp32 (fp64 in tests)
     gamma = torch.exp(g_gamma.to(wdt)).view(1, -1, 1, 1)
     dq, _ = run(do, v, k, g_gamma, scale, None if h0 is None else h0.transpose(-1, -2).contiguous(), False,
                 cu_seqlens)
-    varlen = cu_seqlens is not None
-
-    def seqs(x):   # per-sequence states in the reversed runs' order
-        return None if x is None else (x.flip(0) if varlen else x)
-
-    cu_r = None if not varlen else (T - cu_seqlens).flip(0)
-    e = seqs(None if dht is None else dht.to(wdt) / (gamma * scale))
-    q_r, k_r, v_r, do_r = (x.flip(1) for x in (q, k, v, do))
-    dk, _ = run(v_r, do_r, q_r, g_gamma, scale, None if e is None else e.transpose(-1, -2).contiguous(), False, cu_r)
-    dv, d0 = run(k_r, q_r, do_r, g_gamma, scale, e, h0 is not None, cu_r)
-    dh0 = None if h0 is None else seqs(d0) * (gamma * scale)
-    return dq, dk.flip(1), dv.flip(1), dh0
+    e = None if dht is None else dht.to(wdt) / (gamma * scale)
+    dk, _ = run(v, do, q, g_gamma, scale, None if e is None else e.transpose(-1, -2).contiguous(), False, cu_seqlens,
+                reverse=True)
+    dv, d0 = run(k, q, do, g_gamma, scale, e, h0 is not None, cu_seqlens, reverse=True)
+    return dq, dk, dv, None if h0 is None else d0 * (gamma * scale)
 
 
 class ChunkLightningFunction(torch.autograd.Function):

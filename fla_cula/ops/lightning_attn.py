@@ -4,7 +4,8 @@ Lightning attention is simple GLA with a per-head constant log decay
 ``g_gamma[h] = -(8 / H * (1 - layer_idx / num_layers)) * h`` (float32):
 ``S_t = exp(g_gamma[h]) S_{t-1} + k_t v_t^T``,  ``o_t = S_t^T (scale q_t)``.
 
-- chunk_lightning_attn:          our forward + FLA's chunk_simple_gla backward (fla_cula.ops.chunk_autograd)
+- chunk_lightning_attn:          our forward + our backward (three runs of the forward kernel; FLA's
+                                 chunk_simple_gla backward where FLA's forward ran: fla_cula.ops.chunk_autograd)
                                   where the prefill kernel serves the call, else FLA with the reason.
 - fused_recurrent_lightning_attn: decode kernel (fla_cula.kernels.lightning_decode) where it applies.
 - fused_recurrent_simple_gla:    the same kernel when called with a g_gamma and no per-token gate
@@ -32,11 +33,14 @@ _g_gamma_cache: dict[tuple, torch.Tensor] = {}
 
 def g_gamma_for(H: int, layer_idx: int, num_layers: int, device: torch.device) -> torch.Tensor:
     """FLA's lightning decay, computed as FLA does and cached per (H, layer, device): the cached
-    tensor keeps a fixed address, so a captured CUDA graph stays valid."""
+    tensor keeps a fixed address, so a captured CUDA graph stays valid. Made outside inference mode
+    (a first call under torch.inference_mode() would cache an inference tensor, which a later
+    training call cannot save for backward)."""
     key = (H, layer_idx, num_layers, device)
     t = _g_gamma_cache.get(key)
     if t is None:
-        t = -(8 / H * (1 - layer_idx / num_layers)) * torch.arange(H, dtype=torch.float, device=device)
+        with torch.inference_mode(False):
+            t = -(8 / H * (1 - layer_idx / num_layers)) * torch.arange(H, dtype=torch.float, device=device)
         _g_gamma_cache[key] = t
     return t
 
@@ -54,8 +58,8 @@ def chunk_lightning_attn(
     cu_seqlens: torch.LongTensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """FLA's chunk_lightning_attn: FLA's checks, then fla_cula's forward with FLA's backward where a
-    forward serves the call, else FLA with the reason. Like FLA it pops only chunk_size from kwargs."""
+    """FLA's chunk_lightning_attn: FLA's checks, then fla_cula's forward (and backward: chunk_autograd) where
+    the kernel serves the call, else FLA with the reason. Like FLA it pops only chunk_size from kwargs."""
     args = (q, k, v, layer_idx, num_layers, scale, initial_state, output_final_state, cu_seqlens)
     if routing.in_fallback():
         return routing.call_fla(FLA_CHUNK_LIGHTNING_ATTN, *args, **kwargs)

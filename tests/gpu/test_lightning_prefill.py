@@ -385,6 +385,58 @@ def test_split_cuda_graph_and_no_recompile():
 
 
 # ---------------------------------------------------------------------------------------------
+# reverse=True (LightningPrefillConfig.reverse: each sequence last token to first, the backward's dk / dv runs)
+
+REV_CASES = {
+    "B2-T1-h0-ht": dict(B=2, T=1), "B2-T65-h0-ht": dict(B=2, T=65), "B1-T1000-H64-h0-ht": dict(B=1, T=1000, H=64),
+    "B2-T300-noh0-noht": dict(B=2, T=300, states=False), "D64-fp16-T200": dict(B=2, T=200, D=64, dtype=torch.float16),
+    "varlen-skewed": dict(lens="skewed"), "varlen-empty": dict(lens="empty_first_mid_last"),
+    "split4-T3000": dict(B=1, T=3000, split=4), "split4-varlen-skewed": dict(lens="skewed", split=4),
+}
+
+
+@pytest.mark.parametrize("case", list(REV_CASES))
+def test_reverse(case):
+    """run(..., reverse=True) against the fp64 reverse recurrence (bar TOL) and, bit for bit, against the forward
+    kernel on token-flipped inputs (a reversed sequence is the same chunks of the same data in the same order;
+    varlen: sequences flipped as a block, cu_seqlens -> T - cu flipped, states flipped per sequence)."""
+    from parity.runner import nan_empty
+    lp = _lp()
+    c = dict(REV_CASES[case])
+    lens = c.pop("lens", None)
+    states, split = c.pop("states", True), c.pop("split", None)
+    H, D = c.get("H", 8), c.get("D", 128)
+    cu = None
+    if lens is not None:
+        lens = LENS[lens]
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    B, T = (1, int(cu[-1])) if cu is not None else (c["B"], c["T"])
+    N = B if cu is None else len(lens)
+    q, k, v, h0 = _inputs(B, T, H, D, dtype=c.get("dtype", torch.bfloat16), h0=torch.float32 if states else None,
+                          N=N, seed=T + H)
+    g, scale = lightning_g_gamma(H, 0, 24, device=DEV), D ** -0.5
+    if split is not None:
+        lp.set_tuning(split=split)
+    try:
+        with nan_empty():
+            o, ht = lp.run(q, k, v, g, scale, h0, states, cu, reverse=True)
+        cu_r = None if cu is None else (T - cu).flip(0)
+        per_seq = (lambda x: x.flip(0)) if cu is not None else (lambda x: x)
+        fo, fht = lp.run(q.flip(1), k.flip(1), v.flip(1), g, scale, None if h0 is None else per_seq(h0), states, cu_r)
+    finally:
+        lp.set_tuning()
+    assert torch.isfinite(o).all() and (ht is None) == (not states)
+    ro, rs = simple_gla_recurrent(q, k, v, g, scale=scale, initial_state=h0, output_final_state=True, reverse=True,
+                                  cu_seqlens=cu)
+    e_o, e_s = rel_rms(ro, o), (rel_rms(rs, ht) if states else 0.0)
+    print(f"\n{case}: o {e_o:.2e} ht {e_s:.2e}")
+    assert e_o <= TOL and e_s <= TOL, (e_o, e_s)
+    assert torch.equal(o, fo.flip(1)), "reverse differs from the flipped forward run"
+    if states:
+        assert torch.equal(ht, per_seq(fht))
+
+
+# ---------------------------------------------------------------------------------------------
 # The backward from forward runs (fla_cula.ops.chunk_autograd.lightning_bwd_by_forward, off by default:
 # docs/lightning_prefill.md "A backward of our own"): the kernel's run() as the three runs
 
