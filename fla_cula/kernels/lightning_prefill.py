@@ -100,15 +100,10 @@ class LightningPrefillConfig:
     # S_t = exp(g) S_{t+1} + k_t v_t^T, o_t = scale S_t^T q_t, final_state = S_0. Only the token rows the
     # CTA loads and stores change (make_span); the backward's two reversed runs use it (lightning_bwd_by_forward).
     reverse: bool = False
-    # CTAs per SM the wgmma kernel is built for. 2: ~83 KB shared memory, up to 255 registers. 3: <= 168 registers
-    # (ptxas bound) and ~74 KB: Q K^T is its own wgmma group (its accumulator dies in P before Q S0's is born, and
-    # Q S0 runs behind the Vd scaling), and the output tile reuses the Vd^T and P tiles.
-    ctas_per_sm: int = 2
 
     def __post_init__(self):
-        if not self.has_o and (self.mma != "sync" or self.ctas_per_sm != 2):
+        if not self.has_o and self.mma != "sync":
             object.__setattr__(self, "mma", "sync")
-            object.__setattr__(self, "ctas_per_sm", 2)
         if not self.has_o and not self.has_ht:
             raise ValueError("has_o=False needs has_ht=True (the state pass writes only the final state)")
         if self.dtype not in ("bfloat16", "float16"):
@@ -118,8 +113,6 @@ class LightningPrefillConfig:
         if self.bv not in (32, 64) or self.V % self.bv or self.chunk != 64 or (self.mma == "wgmma" and self.bv != 64):
             raise ValueError(f"bv={self.bv} chunk={self.chunk} mma={self.mma}: supported bv 64 (32 with mma.sync), "
                              f"chunk 64")
-        if self.ctas_per_sm not in (2, 3) or (self.ctas_per_sm == 3 and self.mma != "wgmma"):
-            raise ValueError(f"ctas_per_sm {self.ctas_per_sm} with mma {self.mma!r}: expected 2, or 3 with wgmma")
         if self.kv_stages not in (1, 2):
             raise ValueError(f"kv_stages {self.kv_stages}: expected 1 or 2")
         if self.mma not in ("sync", "wgmma") or (self.mma == "wgmma" and self.kv_stages != 1):
@@ -219,12 +212,6 @@ def make_span(cfg):
         return b, bos, Tn
 
     return span
-
-
-def _occupancy(cfg) -> dict:
-    """Launch attributes for cfg.ctas_per_sm 3: ptxas bounds registers to 3 CTAs per SM, shared memory carved out
-    to the maximum (3 x ~74 KB)."""
-    return {} if cfg.ctas_per_sm == 2 else dict(min_blocks_per_mp=cfg.ctas_per_sm, preferred_smem_carveout=100)
 
 
 class LightningPrefill:
@@ -454,8 +441,7 @@ class LightningPrefill:
                 else:
                     nseq = mK.shape[0]
                 kern(mQ, mK, mV, mG, mH0, mHt, mO, mCu, scale, seg_len, nseg).launch(
-                    grid=[cfg.V // BV, mK.shape[2], nseq * nseg], block=[NTHR, 1, 1], stream=stream,
-                    **_occupancy(cfg))
+                    grid=[cfg.V // BV, mK.shape[2], nseq * nseg], block=[NTHR, 1, 1], stream=stream)
 
             return launch_seg
 
@@ -467,8 +453,7 @@ class LightningPrefill:
             else:
                 nseq = mQ.shape[0]
             kern(mQ, mK, mV, mG, mH0, mHt, mO, mCu, scale, Int32(0), Int32(1)).launch(
-                grid=[cfg.V // BV, mQ.shape[2], nseq], block=[NTHR, 1, 1], stream=stream,
-                **_occupancy(cfg))
+                grid=[cfg.V // BV, mQ.shape[2], nseq], block=[NTHR, 1, 1], stream=stream)
 
         return launch
 
@@ -485,7 +470,6 @@ class LightningPrefill:
         DT = _DT[cfg.dtype]
         VP = BV + PAD
         RV = cfg.reverse
-        CPS = cfg.ctas_per_sm
         span = make_span(cfg)
         KMJ, MNJ = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
 
@@ -509,20 +493,10 @@ class LightningPrefill:
             sQ = _swz(smem, DT, LQ)
             sK = _swz(smem, DT, LQ)
             sVt = _swz(smem, DT, LV)
+            sVdt = _swz(smem, DT, LV)
             sS0t = _swz(smem, DT, LS0)
-            LO = cute.make_layout((C, BV), stride=(VP, 1))
-            if cutlass.const_expr(CPS == 3):
-                # Vd^T and P side by side; the output tile (C x VP, 9 KB) reuses both once P V and K^T Vd are done
-                nb = (cute.cosize(LV.outer) + cute.cosize(LP.outer)) * DT.width // 8
-                base = smem.allocate(nb, byte_alignment=1024)
-                sVdt = cute.make_tensor(cute.recast_ptr(base, LV.inner, dtype=DT), LV.outer)
-                sP = cute.make_tensor(cute.recast_ptr(base + cute.cosize(LV.outer) * DT.width // 8, LP.inner,
-                                                      dtype=DT), LP.outer)
-                sO = cute.make_tensor(cute.recast_ptr(base, dtype=DT), LO)
-            else:
-                sVdt = _swz(smem, DT, LV)
-                sP = _swz(smem, DT, LP)
-                sO = smem.allocate_tensor(DT, LO, byte_alignment=128)
+            sP = _swz(smem, DT, LP)
+            sO = smem.allocate_tensor(DT, cute.make_layout((C, BV), stride=(VP, 1)), byte_alignment=128)
             sTab = smem.allocate_tensor(Float32, cute.make_layout((C + 8,)), byte_alignment=16)
             sKt = cute.make_tensor(sK.iterator, LKt.outer)
             sV = cute.make_tensor(sVt.iterator, cute.select(LV.outer, mode=[1, 0]))     # (token, v)
@@ -581,25 +555,20 @@ class LightningPrefill:
                 cute.arch.fence_proxy("async.shared", space="cta")  # cp.async / st.shared -> wgmma reads
                 cute.arch.barrier()  # (1)
 
-                # GEMM 1 and GEMM 2a: one wgmma group (ctas_per_sm 2), or GEMM 1 alone, then GEMM 2a behind the
-                # Vd scaling (ctas_per_sm 3: the two accumulators are never live together)
+                # GEMM 1 and GEMM 2a in one wgmma group
                 accA = cute.make_rmem_tensor(t1.partition_shape_C((C, C)), Float32)
                 accA.fill(0.0)
-                warpgroup.fence()
-                _wgmma(mma1, accA, fQ1, fK1)
-                if cutlass.const_expr(CPS == 3):
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
-                    _store_p(accA, tAc, sTab, tCsP, DT)
                 accO = cute.make_rmem_tensor(t2.partition_shape_C((C, BV)), Float32)
                 accO.fill(0.0)
-                if cutlass.const_expr(CPS == 3):
-                    warpgroup.fence()
+                warpgroup.fence()
+                _wgmma(mma1, accA, fQ1, fK1)
                 _wgmma(mma2, accO, fQ2, fS0)
                 warpgroup.commit_group()
-                if cutlass.const_expr(CPS == 2):
-                    warpgroup.wait_group(0)
-                    _store_p(accA, tAc, sTab, tCsP, DT)
+                warpgroup.wait_group(0)
+                _store_p(accA, tAc, sTab, tCsP, DT)
+                for e in cutlass.range_constexpr(cute.size(accO)):
+                    i, _ = tOc[e]
+                    accO[e] = accO[e] * sTab[i + 1]
 
                 jr = tidx // 2
                 fv = cutlass.select_(jr < L, sTab[cutlass.max(L - 1 - jr, 0)], Float32(0.0))
@@ -609,11 +578,6 @@ class LightningPrefill:
                     cute.autovec_copy(_rowvec(sV, jr, cv), rv)
                     rv.store((rv.load().to(Float32) * fv).to(DT))
                     cute.autovec_copy(rv, _rowvec(sVd, jr, cv))
-                if cutlass.const_expr(CPS == 3):
-                    warpgroup.wait_group(0)
-                for e in cutlass.range_constexpr(cute.size(accO)):
-                    i, _ = tOc[e]
-                    accO[e] = accO[e] * sTab[i + 1]
                 cute.arch.fence_proxy("async.shared", space="cta")  # P, Vd -> wgmma reads
                 cute.arch.barrier()  # (2) P and Vd visible; every read of sQ and sS0 is done
 
@@ -631,8 +595,6 @@ class LightningPrefill:
 
                 rO = cute.make_fragment_like(accO, DT)
                 rO.store((accO.load() * scale).to(DT))
-                if cutlass.const_expr(CPS == 3):
-                    cute.arch.barrier()  # sO overlays Vd^T and P: the group that read them is done in every warp
                 cute.autovec_copy(rO, tCsO)
                 cute.arch.barrier()  # (3) sO visible; every read of sK, sV, sVd, sP is done
 
@@ -733,9 +695,6 @@ def representative_configs() -> list:
         P(has_h0=True, has_ht=True, reverse=True),
         P(has_o=False, has_ht=True, seg=True, kv_stages=2, varlen=True, reverse=True),
         P(has_h0=True, has_ht=False, seg=True, varlen=True, reverse=True),
-        # 3 CTAs per SM (experiment, session 14)
-        P(has_h0=True, has_ht=True, ctas_per_sm=3),
-        P(has_h0=True, has_ht=False, seg=True, ctas_per_sm=3),
     ]
 
 
@@ -962,7 +921,7 @@ def split_segments(ctas_per_seq: int, nseq: int, nch: int, state_bytes: int, cta
     return best
 
 
-def _split_for(knob, varlen: bool, T: int, N: int, H: int, K: int, V: int, bv: int, cps: int = 2) -> tuple | None:
+def _split_for(knob, varlen: bool, T: int, N: int, H: int, K: int, V: int, bv: int) -> tuple | None:
     """(nseg, seg_len in tokens) for a call, or None (no split). T = q.shape[1]: each sequence's length, or
     (varlen) the token count, which bounds every sequence's length (its lengths stay on the device)."""
     if knob is not None and knob <= 1:
@@ -972,7 +931,7 @@ def _split_for(knob, varlen: bool, T: int, N: int, H: int, K: int, V: int, bv: i
     if knob is None:
         if varlen and N > SPLIT_VARLEN_MAX_N:
             return None
-        p, ls = split_segments(V // bv * H, N, nch, H * K * V * 4, 3 if bv == 32 else cps)
+        p, ls = split_segments(V // bv * H, N, nch, H * K * V * 4, 3 if bv == 32 else 2)
         if p <= 1:
             return None
     else:
@@ -1126,8 +1085,7 @@ def plan(q, k, v, g_gamma, scale, initial_state, output_final_state, cu_seqlens,
     # the sequence split (set_tuning(split=...); the heuristic reads the tuned bv): its three kernels compile on
     # first use
     split_knob = _SPLIT["split"]
-    tuned = replace(cfg, **TUNING.knobs("lightning_prefill"))
-    bv, cps = tuned.bv, tuned.ctas_per_sm
+    bv = replace(cfg, **TUNING.knobs("lightning_prefill")).bv
     split_fns = []
 
     def fns():
@@ -1146,7 +1104,7 @@ def plan(q, k, v, g_gamma, scale, initial_state, output_final_state, cu_seqlens,
         q, k, v, g_gamma, scale, h0, _, cu = args
         N = q.shape[0] if cu is None else cu.shape[0] - 1
         if split_knob != 0:
-            sp = _split_for(split_knob, cu is not None, q.shape[1], N, q.shape[2], K, V, bv, cps)
+            sp = _split_for(split_knob, cu is not None, q.shape[1], N, q.shape[2], K, V, bv)
             if sp is not None:
                 return _run_split(fns, dev, q, k, v, g_gamma, scale, h0, cu, N, has_ht, *sp)
         o = torch.empty(v.shape, dtype=q.dtype, device=dev)
@@ -1154,7 +1112,7 @@ def plan(q, k, v, g_gamma, scale, initial_state, output_final_state, cu_seqlens,
         launch(fn, dev, q, k, v, g_gamma, h0, ht, o, cu, float(scale))
         return o, ht
 
-    go.split_knob, go.bv, go.cps = split_knob, bv, cps   # what this plan splits with (plan_chunk's small-grid check)
+    go.split_knob, go.bv = split_knob, bv   # what this plan splits with (plan_chunk's small-grid check)
     return None, go
 
 
@@ -1171,8 +1129,7 @@ def plan_chunk(q, k, v, g_gamma, initial_state, cu_seqlens, cfg):
         return go((q, k, v, g_gamma, cfg.scale, initial_state, cfg.output_final_state, cu_seqlens))
 
     fwd.size_reason = lambda q, k, v, g_gamma, h0, cu, cfg: (check_sizes(q, k, v, h0, cu) or
-                                                             small_grid_reason(q, v, cu, go.split_knob, go.bv,
-                                                                               go.cps))
+                                                             small_grid_reason(q, v, cu, go.split_knob, go.bv))
     fwd.run = run   # any signature, for chunk_autograd.lightning_bwd_by_forward's three runs
     return None, fwd
 
@@ -1185,13 +1142,12 @@ def plan_chunk(q, k, v, g_gamma, initial_state, cu_seqlens, cfg):
 MIN_CTAS = 128
 
 
-def small_grid_reason(q, v, cu_seqlens, split_knob, bv: int, cps: int = 2) -> str | None:
+def small_grid_reason(q, v, cu_seqlens, split_knob, bv: int) -> str | None:
     """Why a routed call goes to FLA because its grid is too small for this kernel, or None."""
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     ctas = N * H * (v.shape[3] // bv)
-    if ctas >= MIN_CTAS or _split_for(split_knob, cu_seqlens is not None, T, N, H, K, v.shape[3], bv,
-                                                   cps) is not None:
+    if ctas >= MIN_CTAS or _split_for(split_knob, cu_seqlens is not None, T, N, H, K, v.shape[3], bv) is not None:
         return None
     return (f"grid of {ctas} CTAs (sequences x heads x V/{bv}) < {MIN_CTAS}: FLA is faster on grids this small "
             f"(measured 0.39-0.58x at 16-32 CTAs) and the sequence split does not pay at this length")

@@ -30,8 +30,7 @@ def _lp():
 
 
 VARIANTS = {"sync-kv1": {"mma": "sync"}, "sync-kv2": {"mma": "sync", "kv_stages": 2},
-            "sync-bv32": {"mma": "sync", "bv": 32}, "wgmma": {"mma": "wgmma"},
-            "wgmma-cps3": {"mma": "wgmma", "ctas_per_sm": 3}}
+            "sync-bv32": {"mma": "sync", "bv": 32}, "wgmma": {"mma": "wgmma"}}
 
 
 @pytest.fixture(params=list(VARIANTS))
@@ -308,7 +307,7 @@ def test_split_weak_decay_long(layer, fla_fns):
 
 
 @pytest.mark.parametrize("knobs", [{"mma": "sync"}, {"mma": "sync", "kv_stages": 2}, {"mma": "sync", "bv": 32},
-                                   {"mma": "wgmma"}, {"ctas_per_sm": 3}], ids=["sync", "kv2", "bv32", "wgmma", "cps3"])
+                                   {"mma": "wgmma"}], ids=["sync", "kv2", "bv32", "wgmma"])
 def test_split_variants(knobs, fla_fns):
     """Pass 2 on every kernel variant (pass 1 is always the mma.sync state pass); K = V = 64 too."""
     q, k, v, h0 = _inputs(2, 1500, 8, h0=torch.float32, seed=51)
