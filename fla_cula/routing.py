@@ -12,6 +12,9 @@ Environment toggles are read at call time (cheap ``os.environ`` lookups):
   FLA_CULA_STRICT=1    a fallback raises :class:`FallbackError` with its reason instead.
   FLA_CULA_STAND_IN=1  a chunk op runs FLA's forward inside fla_cula's autograd Function in place of its
                        kernel (counted as ``stand_in``): the training path's plumbing, bit-identical to FLA.
+  FLA_CULA_FORCE=1     the kernels also take the calls their speed heuristics send to FLA (small grids, the
+                       KDA cost model and grad gate): coverage runs such as FLA's own tests on small shapes.
+                       Calls a kernel cannot run correctly still fall back.
 """
 
 from __future__ import annotations
@@ -53,6 +56,11 @@ def _getenv(name: str, default: str) -> str:
 
 def enabled() -> bool:
     return _getenv("FLA_CULA", "1") != "0"
+
+
+def force() -> bool:
+    """FLA_CULA_FORCE=1: kernels skip their speed-only fallbacks (see the module docstring)."""
+    return _getenv("FLA_CULA_FORCE", "0") not in ("0", "")
 
 
 def strict() -> bool:

@@ -365,6 +365,9 @@ def test_routing_policy_per_call(monkeypatch):
     monkeypatch.setattr(kda_prefill, "ROUTE_BY_COST", True)
     cu = torch.zeros(33, dtype=torch.int32, device="meta")
     assert "cu_seqlens_cpu" in go.size_reason(*args[:8], cu, None, args[10])   # varlen: host lengths needed
+    monkeypatch.setattr(kda_prefill, "ROUTE_GRAD", False)
+    monkeypatch.setenv("FLA_CULA_FORCE", "1")                                    # coverage runs: no speed gates
+    assert go.size_reason(*args) is None and go.size_reason(x, *args[1:]) is None
 
 
 def test_routing_cost_model():

@@ -501,6 +501,16 @@ def test_small_grid_reason():
     assert "64 CTAs" in lp.small_grid_reason(*qv(1, 4000, 16, D=64), cu, 0, 64)
 
 
+def test_force_takes_small_grids(monkeypatch):
+    """FLA_CULA_FORCE=1 (coverage runs: FLA's own tests on small shapes) drops the speed-only small-grid reason."""
+    q = torch.empty(1, 64, 2, 64, dtype=torch.bfloat16, device="meta")
+    assert "2 CTAs" in lp.small_grid_reason(q, q, None, 0, 64)
+    monkeypatch.setenv("FLA_CULA_FORCE", "1")
+    assert lp.small_grid_reason(q, q, None, 0, 64) is None
+    monkeypatch.setenv("FLA_CULA_FORCE", "0")
+    assert lp.small_grid_reason(q, q, None, 0, 64) is not None
+
+
 def test_routed_plan_sends_small_grids_to_fla(monkeypatch):
     """plan_chunk's per-call size check (what routing runs on every call) carries the small-grid reason."""
     from fla_cula.ops.chunk_autograd import LightningChunkConfig

@@ -28,7 +28,7 @@ from fla.modules.norm.l2norm import l2norm_fwd
 from fla.ops.common.gate import fused_beta_sigmoid_fwd
 from fla.ops.utils import prepare_chunk_indices
 
-from fla_cula import _ext
+from fla_cula import _ext, routing
 from fla_cula.ops.chunk_autograd import KDAChunkConfig, KDAForward, needs_grad
 
 _ok, _why = _ext.available()
@@ -157,7 +157,10 @@ def predicted_us(lens: list[int], HV: int, sms: int) -> tuple[float, float]:
 
 def _route_reason(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu,
                   cfg: KDAChunkConfig) -> str | None:
-    """Why the routed op sends this call to FLA although the kernel could run it, or None."""
+    """Why the routed op sends this call to FLA although the kernel could run it, or None (always None under
+    FLA_CULA_FORCE=1)."""
+    if routing.force():
+        return None
     if not ROUTE_GRAD and needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
         return "grad -> FLA (the forward under grad is not yet timed against FLA's)"
     if not ROUTE_BY_COST:

@@ -50,6 +50,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 from cutlass.utils import hopper_helpers as sm90
 
+from fla_cula import routing
 from fla_cula.jit import KernelSpec, register_kernel
 from fla_cula.kernels._dsl import DT as _DT
 from fla_cula.kernels._dsl import assume_align as _al
@@ -1143,7 +1144,10 @@ MIN_CTAS = 128
 
 
 def small_grid_reason(q, v, cu_seqlens, split_knob, bv: int) -> str | None:
-    """Why a routed call goes to FLA because its grid is too small for this kernel, or None."""
+    """Why a routed call goes to FLA because its grid is too small for this kernel, or None (always None under
+    FLA_CULA_FORCE=1)."""
+    if routing.force():
+        return None
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     ctas = N * H * (v.shape[3] // bv)
