@@ -1,4 +1,5 @@
-"""python -m parity [--quick] [--cpu] [--out DIR] [--ops OP ...] [--seed N] [--jobs N] [--budget S] [--list]"""
+"""python -m parity [--quick] [--cpu] [--force] [--out DIR] [--ops OP ...] [--seed N] [--jobs N] [--budget S]
+[--list]"""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="print the case ids and exit")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds: start no new case after this; the report lists what did not run (exit 3)")
+    p.add_argument("--force", action="store_true",
+                   help="FLA_CULA_FORCE=1: kernels also take the small cases their speed heuristics send to FLA, "
+                        "so the grid's small shapes test the kernels (the report's route column shows it)")
     p.add_argument("--jobs", type=int, default=1,
                    help="worker processes sharing the GPU (FLA's Triton compiles run in parallel); default 1")
     args = p.parse_args(argv)
@@ -30,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
 
     seed = args.seed if args.seed is not None else int(time.time()) % 100000
+    if args.force:
+        os.environ["FLA_CULA_FORCE"] = "1"   # read per call; inherited by --jobs worker processes
 
     if args.cpu:
         from parity import cpu
@@ -61,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         fla_fns, cula_fns = fla_functions(), cula_functions()
     device = torch.device("cuda", torch.cuda.current_device())
     header = machine_header()
-    header["grid"] = ("quick" if args.quick else "full") + (f", ops {args.ops}" if args.ops else "") + (
+    header["grid"] = ("quick" if args.quick else "full") + (", forced routes" if args.force else "") + (
+        f", ops {args.ops}" if args.ops else "") + (
         f", match {args.match!r}" if args.match else "")
     header["seed"] = str(seed)
     header["command"] = "python -m parity " + " ".join(argv if argv is not None else sys.argv[1:])

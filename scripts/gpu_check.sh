@@ -86,8 +86,9 @@ want training && step training "${T_TRAINING:-400}" python -m pytest tests/gpu/t
   -p no:cacheprovider $XDIST --durations=10
 # FLA's own test files through the plugin, in one process (route summary at the end); they live in a
 # git-ignored .flatests/tests/ (docs/measuring.md); SIGINT at the limit so pytest still prints its report.
-# The routed kernels run (FLA_CULA_STAND_IN=1 would replace them by FLA's forward: FLATESTS_ENV to choose)
-want flatests && step flatests "${T_FLATESTS:-300}" env ${FLATESTS_ENV:-FLA_CULA=1} timeout -s INT $(( ${T_FLATESTS:-300} - 20 )) \
+# The routed kernels run, forced onto FLA's small test shapes (FLA_CULA_FORCE=1; FLA_CULA_STAND_IN=1 would replace
+# them by FLA's forward: FLATESTS_ENV to choose)
+want flatests && step flatests "${T_FLATESTS:-300}" env ${FLATESTS_ENV:-FLA_CULA=1 FLA_CULA_FORCE=1} timeout -s INT $(( ${T_FLATESTS:-300} - 20 )) \
   python -m pytest -p fla_cula.testing.plugin -p no:cacheprovider -v -rfE .flatests/tests/ops/test_lightning_attn.py \
   .flatests/tests/ops/test_kda.py -k "chunk and not cp and not flash and not naive"
 # the KDA prefill kernel's per-phase cycles, both V widths, phases 6-8 on mma.sync and on wgmma (not in the default)

@@ -386,3 +386,17 @@ def test_parity_report_says_incomplete_first(tmp_path):
     text = open(md).read()
     summary = text.split("## Summary")[1]
     assert summary.lstrip().startswith("- **INCOMPLETE**: partial report: 1 of 9 cases")
+
+
+def test_parity_force_sets_the_route_override(monkeypatch, capsys):
+    """python -m parity --force exports FLA_CULA_FORCE=1 (read per call by the routed ops, inherited by --jobs
+    workers), so the grid's small shapes exercise the kernels."""
+    from parity.__main__ import main
+    monkeypatch.delenv("FLA_CULA_FORCE", raising=False)
+    try:
+        assert main(["--list", "--ops", "chunk_lightning_attn"]) == 0
+        assert "FLA_CULA_FORCE" not in os.environ
+        assert main(["--force", "--list", "--ops", "chunk_lightning_attn"]) == 0
+        assert os.environ.get("FLA_CULA_FORCE") == "1"
+    finally:
+        os.environ.pop("FLA_CULA_FORCE", None)   # set by main, not by monkeypatch: nothing else would undo it
