@@ -48,10 +48,11 @@ def test_backward_is_three_forward_runs(lens, layer):
         assert rel_rms(w, g) < 1e-12, (name, rel_rms(w, g))
 
 
-@pytest.mark.parametrize("with_states", [True, False], ids=["h0-ht", "no-states"])
+@pytest.mark.parametrize("with_states", [True, False, "h0"], ids=["h0-ht", "no-states", "h0-only"])
 def test_chunk_function_takes_forward_runs(monkeypatch, with_states):
     """ChunkLightningFunction with LIGHTNING_BACKWARD = "forward_runs" and a forward that carries ``run``: its
-    gradients are autograd's (fp64 forward on the CPU as the kernel's stand-in), with and without h0 / ht."""
+    gradients are autograd's (fp64 forward on the CPU as the kernel's stand-in), with and without h0 / ht, and
+    with h0 but no final state (dh0 from the dv run's state with no dht term)."""
     from fla_cula.ops import chunk_autograd as ca
 
     monkeypatch.setattr(ca, "LIGHTNING_BACKWARD", "forward_runs")
@@ -60,8 +61,8 @@ def test_chunk_function_takes_forward_runs(monkeypatch, with_states):
     g_gamma = lightning_g_gamma(H, 1, 4)
     x = {n: torch.randn(B, T, H, D, generator=gen, dtype=F64) for n in ("q", "k", "v", "do")}
     h0 = torch.randn(B, H, D, D, generator=gen, dtype=F64) if with_states else None
-    dht = torch.randn(B, H, D, D, generator=gen, dtype=F64) if with_states else None
-    cfg = ca.LightningChunkConfig(scale=D ** -0.5, output_final_state=with_states, chunk_size=64)
+    dht = torch.randn(B, H, D, D, generator=gen, dtype=F64) if with_states is True else None
+    cfg = ca.LightningChunkConfig(scale=D ** -0.5, output_final_state=with_states is True, chunk_size=64)
 
     def fwd(q, k, v, g, initial_state, cu_seqlens, cfg, chunk_indices=None):
         return _reference_run(q, k, v, g, cfg.scale, initial_state, cfg.output_final_state, cu_seqlens)
