@@ -34,7 +34,8 @@ CFGS = lp.representative_configs()
 def _id(c):
     return (f"{c.dtype}-K{c.K}-h0{c.h0_dtype if c.has_h0 else 'none'}-ht{int(c.has_ht)}"
             f"-varlen{c.cu_dtype if c.varlen else 0}-kv{c.kv_stages}-bv{c.bv}-{c.mma}"
-            + ("" if c.has_o else "-stateonly") + ("-seg" if c.seg else "") + ("-rev" if c.reverse else ""))
+            + ("" if c.has_o else "-stateonly") + ("-seg" if c.seg else "") + ("-rev" if c.reverse else "")
+            + ("-pregs" if c.p_regs else "") + ("-odirect" if c.o_direct else ""))
 
 
 def _cuobjdump():
@@ -128,7 +129,7 @@ def test_config_key_has_no_sizes():
     for size in ("B", "T", "N", "H"):
         assert size not in keys
     assert set(keys) == {"dtype", "K", "V", "bv", "chunk", "has_h0", "h0_dtype", "has_ht", "varlen", "cu_dtype",
-                         "kv_stages", "mma", "has_o", "seg", "reverse"}
+                         "kv_stages", "mma", "has_o", "seg", "reverse", "p_regs", "o_direct"}
     with pytest.raises(ValueError, match="bv=16"):
         lp.LightningPrefillConfig(bv=16)
     with pytest.raises(ValueError, match="bv=32 chunk=64 mma=wgmma"):

@@ -101,10 +101,17 @@ class LightningPrefillConfig:
     # S_t = exp(g) S_{t+1} + k_t v_t^T, o_t = scale S_t^T q_t, final_state = S_0. Only the token rows the
     # CTA loads and stores change (make_span); the backward's two reversed runs use it (lightning_bwd_by_forward).
     reverse: bool = False
+    # wgmma only, each a cut in shared-memory traffic (the kernel is bound by it: docs/lightning_prefill.md,
+    # session 14). p_regs: P V takes P from registers (the masked Q K^T accumulator, converted to bf16, read as the
+    # A operand), so P is never stored or read back (16 KB per CTA and chunk). o_direct: O leaves the accumulators
+    # for global memory as 4-byte pairs instead of through a shared-memory tile (18 KB).
+    p_regs: bool = False
+    o_direct: bool = False
 
     def __post_init__(self):
-        if not self.has_o and self.mma != "sync":
-            object.__setattr__(self, "mma", "sync")
+        if not self.has_o and (self.mma != "sync" or self.p_regs or self.o_direct):
+            for name, value in (("mma", "sync"), ("p_regs", False), ("o_direct", False)):
+                object.__setattr__(self, name, value)
         if not self.has_o and not self.has_ht:
             raise ValueError("has_o=False needs has_ht=True (the state pass writes only the final state)")
         if self.dtype not in ("bfloat16", "float16"):
@@ -114,6 +121,8 @@ class LightningPrefillConfig:
         if self.bv not in (32, 64) or self.V % self.bv or self.chunk != 64 or (self.mma == "wgmma" and self.bv != 64):
             raise ValueError(f"bv={self.bv} chunk={self.chunk} mma={self.mma}: supported bv 64 (32 with mma.sync), "
                              f"chunk 64")
+        if (self.p_regs or self.o_direct) and self.mma != "wgmma":
+            raise ValueError(f"p_regs / o_direct with mma {self.mma!r}: they are wgmma variants")
         if self.kv_stages not in (1, 2):
             raise ValueError(f"kv_stages {self.kv_stages}: expected 1 or 2")
         if self.mma not in ("sync", "wgmma") or (self.mma == "wgmma" and self.kv_stages != 1):
@@ -138,16 +147,32 @@ def _gemm(tiled_mma, acc, cpy_a, ts_a, tr_a, fr_a, cpy_b, ts_b, tr_b, fr_b):
         cute.gemm(tiled_mma, acc, fr_a[None, None, kb], fr_b[None, None, kb], acc)
 
 
-def _store_p(accA, tAc, sTab, tCsP, DT):
-    """P = mask/decay(Q K^T): accA (C x C accumulator, coordinates tAc) times exp(g (i - j)) = sTab[i - j] where
-    j <= i, 0 above the diagonal, rounded to DT into its shared-memory partition tCsP."""
+def _mask_decay(accA, tAc, sTab, DT):
+    """P = mask/decay(Q K^T) in DT registers: accA (C x C accumulator, coordinates tAc) times exp(g (i - j)) =
+    sTab[i - j] where j <= i, 0 above the diagonal."""
     for e in range(cute.size(accA)):  # plain Python: unrolled at trace time (as range_constexpr in a kernel)
         i, j = tAc[e]
         f = sTab[cutlass.max(i - j, 0)]
         accA[e] = cutlass.select_(j <= i, accA[e] * f, Float32(0.0))
     rP = cute.make_fragment_like(accA, DT)
     rP.store(accA.load().to(DT))
-    cute.autovec_copy(rP, tCsP)
+    return rP
+
+
+def _store_p(accA, tAc, sTab, tCsP, DT):
+    """_mask_decay, stored into P's shared-memory partition tCsP."""
+    cute.autovec_copy(_mask_decay(accA, tAc, sTab, DT), tCsP)
+
+
+def _acc_as_a(acc):
+    """An m64nN wgmma accumulator (C layout ((2, 2, N/8), MMA_M, MMA_N): column pair, row half, 8-column group)
+    viewed as the register A operand of a wgmma with K = N: ((2, 2, 2), MMA_M, (N/16, MMA_N)). The same registers:
+    the A fragment of a 16-wide k-block holds the C fragments of its two 8-column groups."""
+    lay = cute.logical_divide(acc.layout, ((None, None, 2), None, None))
+    sh, st = lay.shape, lay.stride
+    return cute.make_tensor(acc.iterator, cute.make_layout(
+        ((sh[0][0], sh[0][1], sh[0][2][0]), sh[1], (sh[0][2][1], sh[2])),
+        stride=((st[0][0], st[0][1], st[0][2][0]), st[1], (st[0][2][1], st[2]))))
 
 
 def _stage(buf, st, rows, cols, rstride, transposed=False):
@@ -471,6 +496,7 @@ class LightningPrefill:
         DT = _DT[cfg.dtype]
         VP = BV + PAD
         RV = cfg.reverse
+        PR, OD = cfg.p_regs, cfg.o_direct
         span = make_span(cfg)
         KMJ, MNJ = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
 
@@ -496,8 +522,10 @@ class LightningPrefill:
             sVt = _swz(smem, DT, LV)
             sVdt = _swz(smem, DT, LV)
             sS0t = _swz(smem, DT, LS0)
-            sP = _swz(smem, DT, LP)
-            sO = smem.allocate_tensor(DT, cute.make_layout((C, BV), stride=(VP, 1)), byte_alignment=128)
+            if cutlass.const_expr(not PR):
+                sP = _swz(smem, DT, LP)
+            if cutlass.const_expr(not OD):
+                sO = smem.allocate_tensor(DT, cute.make_layout((C, BV), stride=(VP, 1)), byte_alignment=128)
             sTab = smem.allocate_tensor(Float32, cute.make_layout((C + 8,)), byte_alignment=16)
             sKt = cute.make_tensor(sK.iterator, LKt.outer)
             sV = cute.make_tensor(sVt.iterator, cute.select(LV.outer, mode=[1, 0]))     # (token, v)
@@ -507,15 +535,20 @@ class LightningPrefill:
             mma1 = sm90.make_trivial_tiled_mma(DT, DT, KMJ, KMJ, Float32, (1, 1, 1), (C, C))     # Q K^T
             mma2 = sm90.make_trivial_tiled_mma(DT, DT, KMJ, MNJ, Float32, (1, 1, 1), (C, BV))    # Q S0, P V
             mma3 = sm90.make_trivial_tiled_mma(DT, DT, MNJ, MNJ, Float32, (1, 1, 1), (64, BV))   # K^T Vd
-            for m in (mma1, mma2, mma3):
+            mmaP = mma2   # P V: A = P from shared memory, or (p_regs) from registers
+            if cutlass.const_expr(PR):
+                mmaP = sm90.make_trivial_tiled_mma(DT, DT, KMJ, MNJ, Float32, (1, 1, 1), (C, BV),
+                                                   sm90.OperandSource.RMEM)
+            for m in (mma1, mma2, mma3, mmaP):
                 m.set(warpgroup.Field.ACCUMULATE, True)
             t1, t2, t3 = mma1.get_slice(tidx), mma2.get_slice(tidx), mma3.get_slice(tidx)
             fQ1 = mma1.make_fragment_A(t1.partition_A(sQ))
             fK1 = mma1.make_fragment_B(t1.partition_B(sK))
             fQ2 = mma2.make_fragment_A(t2.partition_A(sQ))
             fS0 = mma2.make_fragment_B(t2.partition_B(sS0t))
-            fP = mma2.make_fragment_A(t2.partition_A(sP))
-            fV = mma2.make_fragment_B(t2.partition_B(sVt))
+            if cutlass.const_expr(not PR):
+                fP = mma2.make_fragment_A(t2.partition_A(sP))
+            fV = mmaP.make_fragment_B(mmaP.get_slice(tidx).partition_B(sVt))
             fKt = mma3.make_fragment_A(t3.partition_A(sKt))
             fVd = mma3.make_fragment_B(t3.partition_B(sVdt))
             g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), DT,
@@ -523,8 +556,10 @@ class LightningPrefill:
 
             tAc = t1.partition_C(cute.make_identity_tensor((C, C)))
             tOc = t2.partition_C(cute.make_identity_tensor((C, BV)))
-            tCsP = t1.partition_C(sP)
-            tCsO = t2.partition_C(sO)
+            if cutlass.const_expr(not PR):
+                tCsP = t1.partition_C(sP)
+            if cutlass.const_expr(not OD):
+                tCsO = t2.partition_C(sO)
             tCsS0 = t3.partition_C(sS0)
 
             gam = Float32(mG[h])
@@ -566,7 +601,10 @@ class LightningPrefill:
                 _wgmma(mma2, accO, fQ2, fS0)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
-                _store_p(accA, tAc, sTab, tCsP, DT)
+                if cutlass.const_expr(PR):
+                    rP = _mask_decay(accA, tAc, sTab, DT)   # read by P V from registers
+                else:
+                    _store_p(accA, tAc, sTab, tCsP, DT)
                 for e in cutlass.range_constexpr(cute.size(accO)):
                     i, _ = tOc[e]
                     accO[e] = accO[e] * sTab[i + 1]
@@ -589,14 +627,29 @@ class LightningPrefill:
                 # GEMM 2b and GEMM 3 in one wgmma group
                 accS.store(accS.load() * sTab[L])
                 warpgroup.fence()
-                _wgmma(mma2, accO, fP, fV)
+                if cutlass.const_expr(PR):
+                    _wgmma(mmaP, accO, _acc_as_a(rP), fV)
+                else:
+                    _wgmma(mma2, accO, fP, fV)
                 _wgmma(mma3, accS, fKt, fVd)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
 
                 rO = cute.make_fragment_like(accO, DT)
                 rO.store((accO.load() * scale).to(DT))
-                cute.autovec_copy(rO, tCsO)
+                if cutlass.const_expr(OD):
+                    # column pairs (e, e + 1) of the accumulator rows, straight to o (rows < L)
+                    for e in cutlass.range_constexpr(0, cute.size(rO), 2):
+                        i, col = tOc[e]
+                        if i < L:
+                            pr = cute.make_rmem_tensor((2,), DT)
+                            pr[0] = rO[e]
+                            pr[1] = rO[e + 1]
+                            dst = _al(cute.local_tile(mO[b, _tok(bos, t0 + i, RV), h, None], (2,),
+                                                      ((v0 + col) // 2,)), 4)
+                            cute.autovec_copy(pr, dst)
+                else:
+                    cute.autovec_copy(rO, tCsO)
                 cute.arch.barrier()  # (3) sO visible; every read of sK, sV, sVd, sP is done
 
                 if c + 1 < nch:
@@ -604,16 +657,17 @@ class LightningPrefill:
                     _issue_rows(g2s, mV, sV, b, bos, t0 + C, Tn, h, v0, BV, RV)
                     cute.arch.cp_async_commit_group()
 
-                for it in cutlass.range_constexpr(C * (BV // VEC) // NTHR):
-                    idx = tidx + NTHR * it
-                    r = idx // (BV // VEC)
-                    cv = idx % (BV // VEC)
-                    if r < L:
-                        ro = cute.make_rmem_tensor((VEC,), DT)
-                        cute.autovec_copy(_rowvec(sO, r, cv), ro)
-                        dst = _al(cute.local_tile(mO[b, _tok(bos, t0 + r, RV), h, None], (VEC,),
-                                                  (v0 // VEC + cv,)), 16)
-                        cute.autovec_copy(ro, dst)
+                if cutlass.const_expr(not OD):
+                    for it in cutlass.range_constexpr(C * (BV // VEC) // NTHR):
+                        idx = tidx + NTHR * it
+                        r = idx // (BV // VEC)
+                        cv = idx % (BV // VEC)
+                        if r < L:
+                            ro = cute.make_rmem_tensor((VEC,), DT)
+                            cute.autovec_copy(_rowvec(sO, r, cv), ro)
+                            dst = _al(cute.local_tile(mO[b, _tok(bos, t0 + r, RV), h, None], (VEC,),
+                                                      (v0 // VEC + cv,)), 16)
+                            cute.autovec_copy(ro, dst)
 
             if cutlass.const_expr(cfg.has_ht):
                 tCg = t3.partition_C(cute.local_tile(mHt[n, h, None, None], (K, BV), (0, vb)))
@@ -649,8 +703,9 @@ class LightningPrefill:
         return (q, k, v, g, h0, ht, o, cu, Float32(1.0), *seg, make_fake_stream(use_tvm_ffi_env_stream=True))
 
     def expect_ptx(self):
-        common = (r"cp\.async\.cg\.shared\.global(\.\w+)*\s*\[[^\]]+\],\s*\[[^\]]+\],\s*16",
-                  r"st\.global(\.\w+)*\.v4\.b32", r"bar\.sync")
+        store = r"st\.global(\.\w+)*\.b32" if self.cfg.o_direct else r"st\.global(\.\w+)*\.v4\.b32"  # o pairs / rows
+        common = (r"cp\.async\.cg\.shared\.global(\.\w+)*\s*\[[^\]]+\],\s*\[[^\]]+\],\s*16", store,
+                  r"bar\.sync")
         if not self.cfg.has_o:   # the state pass: one GEMM (K^T Vd: both operands through ldmatrix .trans)
             return (r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(bf16|f16)\.(bf16|f16)\.f32",
                     r"ldmatrix\.sync\.aligned\.m8n8\.x4\.trans\.shared\.b16", common[0], common[2])
@@ -696,6 +751,10 @@ def representative_configs() -> list:
         P(has_h0=True, has_ht=True, reverse=True),
         P(has_o=False, has_ht=True, seg=True, kv_stages=2, varlen=True, reverse=True),
         P(has_h0=True, has_ht=False, seg=True, varlen=True, reverse=True),
+        # shared-memory cuts (session 14, to be measured): P from registers, O straight to global, and both
+        P(has_h0=True, has_ht=True, p_regs=True),
+        P(has_h0=True, has_ht=True, o_direct=True, reverse=True),
+        P(has_h0=True, has_ht=True, p_regs=True, o_direct=True, varlen=True),
     ]
 
 

@@ -30,7 +30,9 @@ def _lp():
 
 
 VARIANTS = {"sync-kv1": {"mma": "sync"}, "sync-kv2": {"mma": "sync", "kv_stages": 2},
-            "sync-bv32": {"mma": "sync", "bv": 32}, "wgmma": {"mma": "wgmma"}}
+            "sync-bv32": {"mma": "sync", "bv": 32}, "wgmma": {"mma": "wgmma"},
+            "wgmma-pregs": {"p_regs": True}, "wgmma-odirect": {"o_direct": True},
+            "wgmma-pregs-odirect": {"p_regs": True, "o_direct": True}}
 
 
 @pytest.fixture(params=list(VARIANTS))
@@ -307,7 +309,8 @@ def test_split_weak_decay_long(layer, fla_fns):
 
 
 @pytest.mark.parametrize("knobs", [{"mma": "sync"}, {"mma": "sync", "kv_stages": 2}, {"mma": "sync", "bv": 32},
-                                   {"mma": "wgmma"}], ids=["sync", "kv2", "bv32", "wgmma"])
+                                   {"mma": "wgmma"}, {"p_regs": True, "o_direct": True}],
+                         ids=["sync", "kv2", "bv32", "wgmma", "pregs-odirect"])
 def test_split_variants(knobs, fla_fns):
     """Pass 2 on every kernel variant (pass 1 is always the mma.sync state pass); K = V = 64 too."""
     q, k, v, h0 = _inputs(2, 1500, 8, h0=torch.float32, seed=51)
@@ -392,6 +395,8 @@ REV_CASES = {
     "B2-T300-noh0-noht": dict(B=2, T=300, states=False), "D64-fp16-T200": dict(B=2, T=200, D=64, dtype=torch.float16),
     "varlen-skewed": dict(lens="skewed"), "varlen-empty": dict(lens="empty_first_mid_last"),
     "split4-T3000": dict(B=1, T=3000, split=4), "split4-varlen-skewed": dict(lens="skewed", split=4),
+    "pregs-odirect-varlen": dict(lens="empty_first_mid_last", knobs={"p_regs": True, "o_direct": True}),
+    "pregs-odirect-split4": dict(B=1, T=3000, split=4, knobs={"p_regs": True, "o_direct": True}),
 }
 
 
@@ -404,7 +409,7 @@ def test_reverse(case):
     lp = _lp()
     c = dict(REV_CASES[case])
     lens = c.pop("lens", None)
-    states, split = c.pop("states", True), c.pop("split", None)
+    states, split, knobs = c.pop("states", True), c.pop("split", None), c.pop("knobs", {})
     H, D = c.get("H", 8), c.get("D", 128)
     cu = None
     if lens is not None:
@@ -415,8 +420,7 @@ def test_reverse(case):
     q, k, v, h0 = _inputs(B, T, H, D, dtype=c.get("dtype", torch.bfloat16), h0=torch.float32 if states else None,
                           N=N, seed=T + H)
     g, scale = lightning_g_gamma(H, 0, 24, device=DEV), D ** -0.5
-    if split is not None:
-        lp.set_tuning(split=split)
+    lp.set_tuning(**knobs, **({} if split is None else {"split": split}))
     try:
         with nan_empty():
             o, ht = lp.run(q, k, v, g, scale, h0, states, cu, reverse=True)
