@@ -452,6 +452,23 @@ uint32_t g_a[8][32][4], g_b[8][32][2];
 float g_c[8][32][4];
 
 inline void __syncthreads() { g_bar->arrive_and_wait(); }
+// stmatrix.x4.trans as the hardware does it: lane l writes stored row l % 8 of tile l / 8 at its own address, with
+// the tile's column l % 8 gathered from the lanes that hold it (row r: lane 4 r + c / 2, half c % 2)
+__nv_bfloat16* g_sp[8][32];
+uint32_t g_sr[8][32][4];
+inline void kda_emulated_stmatrix_trans(__nv_bfloat16* row, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  g_sp[w][l] = row;
+  g_sr[w][l][0] = r0; g_sr[w][l][1] = r1; g_sr[w][l][2] = r2; g_sr[w][l][3] = r3;
+  g_wbar[w]->arrive_and_wait();
+  int m = l >> 3, j = l & 7;
+  for (int r = 0; r < 8; ++r) {
+    uint32_t x = g_sr[w][4 * r + j / 2][m];
+    uint16_t bits = (j & 1) ? uint16_t(x >> 16) : uint16_t(x & 0xffff);
+    std::memcpy(g_sp[w][l] + r, &bits, 2);
+  }
+  g_wbar[w]->arrive_and_wait();
+}
 inline float __shfl_xor_sync(unsigned, float v, int o) {
   int w = threadIdx.x >> 5, l = threadIdx.x & 31;
   g_x[w][l] = v;

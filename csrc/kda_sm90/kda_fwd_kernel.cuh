@@ -281,6 +281,26 @@ __device__ __forceinline__ void store_pair(bf16* p, float a, float b) {
   *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
 }
 
+// (bf16(a), bf16(b)) packed, a in the low half
+__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
+  __nv_bfloat162 r = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+// stmatrix.sync.aligned.m8n8.x4.trans: the warp stores four 8x8 bf16 tiles transposed. Register i holds tile i as an
+// m16n8 C fragment half (lane l: row l / 4, columns 2 (l % 4) and + 1); lane 8 i + j gives the address of stored row
+// j of tile i, which receives the tile's column j (8 consecutive bf16, 16 bytes, 16-byte aligned).
+__device__ __forceinline__ void stmatrix_x4_trans(bf16* row, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+#ifdef FLA_CULA_KDA_HOST_EMULATION
+  kda_emulated_stmatrix_trans(row, r0, r1, r2, r3);
+#else
+  unsigned const s = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(s), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+#endif
+}
+
 // 16-byte global -> shared copy, zero-filled when !valid (no bytes read then). Completed by cp_async_wait_all.
 __device__ __forceinline__ void cp_async16(void* smem, void const* gmem, bool valid) {
 #ifdef FLA_CULA_KDA_HOST_EMULATION
@@ -350,6 +370,20 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
 
   int const tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   int const g8 = lane >> 2, t4 = lane & 3;
+
+  // bf16(S)^T into sT: warp w's state rows d = 16 w .. 16 w + 15 become channels d of every column row c of sT. One
+  // stmatrix.trans x4 per column pair (nt, nt + 1): tiles (nt, rows 0-7), (nt, rows 8-15), (nt + 1, ...); lane l
+  // addresses column nt * 8 + l % 8 (+ 8 for tiles 2, 3) at channel 16 w (+ 8 for tiles 1, 3). 16-byte rows: the
+  // channels of an 8-aligned group are contiguous in both sT layouts (padded rows; sw128k's 16-byte chunks).
+  auto store_sT = [&](float const (&s)[kBV / 8][4]) {
+    int const m = lane >> 3, j = lane & 7;
+#pragma unroll
+    for (int nt = 0; nt < kBV / 8; nt += 2) {
+      stmatrix_x4_trans(&sT_at((nt + (m >> 1)) * 8 + j, warp * 16 + (m & 1) * 8), pack_bf16(s[nt][0], s[nt][1]),
+                        pack_bf16(s[nt][2], s[nt][3]), pack_bf16(s[nt + 1][0], s[nt + 1][1]),
+                        pack_bf16(s[nt + 1][2], s[nt + 1][3]));
+    }
+  };
   int const vb = blockIdx.x % kVBlocks;
   int const hv = (blockIdx.x / kVBlocks) % p.HV;
   int const n = blockIdx.x / (kVBlocks * p.HV);
@@ -417,10 +451,10 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
       for (int e = 0; e < 4; ++e) {
         int const d = d0 + (e >> 1) * 8, cc = c + (e & 1);
         S[nt][e] = p.h0 != nullptr ? p.h0[state_index(d, cc)] : 0.f;
-        sT_at(cc, d) = __float2bfloat16_rn(S[nt][e]);
       }
     }
   }
+  store_sT(S);
   __syncthreads();
 
   int64_t const len = eos - bos;
@@ -988,14 +1022,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
       } else {
         warp_mma_tn<kNS, kC>(S, &sm.t3.KdT[warp * 16][0], kLdC, &sm.u4.vpT[0][0], kLdC, lane);
       }
-#pragma unroll
-      for (int nt = 0; nt < kNS; ++nt) {
-        int const c = nt * 8 + 2 * t4;
-        sT_at(c, d0) = __float2bfloat16_rn(S[nt][0]);
-        sT_at(c + 1, d0) = __float2bfloat16_rn(S[nt][1]);
-        sT_at(c, d0 + 8) = __float2bfloat16_rn(S[nt][2]);
-        sT_at(c + 1, d0 + 8) = __float2bfloat16_rn(S[nt][3]);
-      }
+      store_sT(S);
     }
     if constexpr (kProfile) __syncthreads();  // the timer build splits the products from the wait for chunk + 1
     mark(8);
