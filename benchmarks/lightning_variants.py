@@ -24,18 +24,11 @@ DEFAULT_VARIANTS = ('{"default": {}, "p_regs": {"p_regs": true}, "o_direct": {"o
 
 
 def graph_ms(fn) -> float:
-    """Median ms of a CUDA-graph replay of fn (warmed up on a side stream first)."""
+    """Median ms of a CUDA-graph replay of fn (the harness's capture: warmed up on a side stream first)."""
     import triton
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=200)
+
+    from benchmarks.harness import capture_graph
+    return triton.testing.do_bench(capture_graph(fn).replay, warmup=25, rep=200)
 
 
 def main(argv: list[str] | None = None) -> int:

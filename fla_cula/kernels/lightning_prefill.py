@@ -215,6 +215,23 @@ def _issue_rows(atom, mX, sX, b, bos, t0, Tn, h, col0, width, rev=False):
         cute.copy(atom, src, _rowvec(sX, r, cv))
 
 
+@cute.jit
+def _store_o_rows(sO: cute.Tensor, mO: cute.Tensor, b, bos, t0, L, h, v0, rev: cutlass.Constexpr):
+    """The staged output tile sO (C x BV, padded rows) to o: logical rows r < L of the chunk at t0 go to memory row
+    _tok(bos, t0 + r, rev), columns v0 .. v0 + BV, as 16-byte vectors spread over the CTA's threads."""
+    tidx, _, _ = cute.arch.thread_idx()
+    C, BV = cute.size(sO, mode=[0]), cute.size(sO, mode=[1])
+    for it in cutlass.range_constexpr(C * (BV // VEC) // NTHR):
+        idx = tidx + NTHR * it
+        r = idx // (BV // VEC)
+        cv = idx % (BV // VEC)
+        if r < L:
+            ro = cute.make_rmem_tensor((VEC,), sO.element_type)
+            cute.autovec_copy(_rowvec(sO, r, cv), ro)
+            dst = _al(cute.local_tile(mO[b, _tok(bos, t0 + r, rev), h, None], (VEC,), (v0 // VEC + cv,)), 16)
+            cute.autovec_copy(ro, dst)
+
+
 def make_span(cfg):
     """span(mX, mCu, z, seg_len, nseg) -> (batch row b, base, length Tn) of the CTA's token range: sequence z
     (make_seq_span: cu_seqlens values clamped), or with cfg.seg segment p = z % nseg of sequence n = z // nseg:
@@ -439,16 +456,7 @@ class LightningPrefill:
                         cute.arch.cp_async_commit_group()
 
                 if cutlass.const_expr(HO):
-                    for it in cutlass.range_constexpr(C * (BV // VEC) // NTHR):
-                        idx = tidx + NTHR * it
-                        r = idx // (BV // VEC)
-                        cv = idx % (BV // VEC)
-                        if r < L:
-                            ro = cute.make_rmem_tensor((VEC,), DT)
-                            cute.autovec_copy(_rowvec(sO, r, cv), ro)
-                            dst = _al(cute.local_tile(mO[b, _tok(bos, t0 + r, RV), h, None], (VEC,),
-                                                      (v0 // VEC + cv,)), 16)
-                            cute.autovec_copy(ro, dst)
+                    _store_o_rows(sO, mO, b, bos, t0, L, h, v0, RV)
 
             if cutlass.const_expr(cfg.has_ht):
                 tCg = thr_mma.partition_C(cute.local_tile(mHt[n, h, None, None], (K, BV), (0, vb)))
@@ -658,16 +666,7 @@ class LightningPrefill:
                     cute.arch.cp_async_commit_group()
 
                 if cutlass.const_expr(not OD):
-                    for it in cutlass.range_constexpr(C * (BV // VEC) // NTHR):
-                        idx = tidx + NTHR * it
-                        r = idx // (BV // VEC)
-                        cv = idx % (BV // VEC)
-                        if r < L:
-                            ro = cute.make_rmem_tensor((VEC,), DT)
-                            cute.autovec_copy(_rowvec(sO, r, cv), ro)
-                            dst = _al(cute.local_tile(mO[b, _tok(bos, t0 + r, RV), h, None], (VEC,),
-                                                      (v0 // VEC + cv,)), 16)
-                            cute.autovec_copy(ro, dst)
+                    _store_o_rows(sO, mO, b, bos, t0, L, h, v0, RV)
 
             if cutlass.const_expr(cfg.has_ht):
                 tCg = t3.partition_C(cute.local_tile(mHt[n, h, None, None], (K, BV), (0, vb)))
