@@ -4,9 +4,8 @@ Lightning attention is simple GLA with a per-head constant log decay
 ``g_gamma[h] = -(8 / H * (1 - layer_idx / num_layers)) * h`` (float32):
 ``S_t = exp(g_gamma[h]) S_{t-1} + k_t v_t^T``,  ``o_t = S_t^T (scale q_t)``.
 
-- chunk_lightning_attn:          our forward + our backward (three runs of the forward kernel; FLA's
-                                 chunk_simple_gla backward where FLA's forward ran: fla_cula.ops.chunk_autograd)
-                                  where the prefill kernel serves the call, else FLA with the reason.
+- chunk_lightning_attn:          where the prefill kernel serves the call, our forward and our backward (three
+                                  runs of the forward kernel: fla_cula.ops.chunk_autograd); else FLA with the reason.
 - fused_recurrent_lightning_attn: decode kernel (fla_cula.kernels.lightning_decode) where it applies.
 - fused_recurrent_simple_gla:    the same kernel when called with a g_gamma and no per-token gate
                                   (FLA's lightning calls it by module global, so patching it covers
