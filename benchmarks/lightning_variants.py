@@ -1,6 +1,6 @@
 """Lightning prefill builds side by side (H200): FLA's chunk_lightning_attn and the kernel under tuning knobs.
 
-    python -m benchmarks.lightning_variants                          # default, p_regs, o_direct, both
+    python -m benchmarks.lightning_variants                          # default, one stage, one stage + P in smem
     python -m benchmarks.lightning_variants --variants '{"a": {}, "b": {"kv_stages": 2, "mma": "sync"}}'
 
 Each row: one shape (K = V = 128, bf16, layer 3 of 24, h0 and final state), CUDA-graph replay timed with
@@ -19,8 +19,7 @@ import json
 import torch
 
 ROWS = ((2, 8192, 64), (1, 16384, 64), (8, 4096, 64), (16, 2048, 64), (1, 8192, 8), (1, 16384, 16), (1, 2048, 16))
-DEFAULT_VARIANTS = ('{"default": {}, "p_regs": {"p_regs": true}, "o_direct": {"o_direct": true}, '
-                    '"both": {"p_regs": true, "o_direct": true}}')
+DEFAULT_VARIANTS = '{"default": {}, "kv1": {"kv_stages": 1}, "kv1_psmem": {"kv_stages": 1, "p_regs": false}}'
 
 
 def graph_ms(fn) -> float:

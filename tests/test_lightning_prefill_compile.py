@@ -138,8 +138,20 @@ def test_config_key_has_no_sizes():
         lp.LightningPrefillConfig(K=96)
     with pytest.raises(ValueError, match="kv_stages 3"):
         lp.LightningPrefillConfig(kv_stages=3)
-    with pytest.raises(ValueError, match="mma 'wgmma' with kv_stages 2"):
-        lp.LightningPrefillConfig(mma="wgmma", kv_stages=2)
+    with pytest.raises(ValueError, match="mma 'tf32'"):
+        lp.LightningPrefillConfig(mma="tf32")
+
+
+def test_instruction_defaults():
+    """The defaults are the measured choice: wgmma, P from registers, Q, K, V double-buffered. p_regs and o_direct
+    are wgmma variants: mma.sync (and the state pass, which always runs it) normalizes them off, so a tuning knob
+    that selects mma.sync needs no others."""
+    c = lp.LightningPrefillConfig()
+    assert (c.mma, c.p_regs, c.o_direct, c.kv_stages) == ("wgmma", True, False, 2)
+    c = lp.LightningPrefillConfig(mma="sync", o_direct=True)
+    assert (c.p_regs, c.o_direct, c.kv_stages) == (False, False, 2)
+    assert lp.LightningPrefillConfig(mma="sync").key() == lp.LightningPrefillConfig(mma="sync", p_regs=False).key()
+    assert lp.LightningPrefillConfig(kv_stages=1, p_regs=False).key() != lp.LightningPrefillConfig().key()
 
 
 def test_tuning_knob_reaches_the_config(monkeypatch):

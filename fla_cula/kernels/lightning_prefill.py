@@ -22,8 +22,9 @@ after GEMM 3, so they overlap the output store (and the other CTA on the SM). Ro
 end load a clamped (valid) token; the math masks them and only rows < L are stored.
 
 Variants (config knobs, all compiled and GPU-tested; defaults change only on an H200 measurement):
-kv_stages=2 double-buffers K and V; mma="wgmma" runs the same schedule with warpgroup MMAs from
-128-byte-swizzled shared memory (`LightningPrefill._wgmma_kernel`).
+mma="wgmma", the default, runs the same schedule with warpgroup MMAs from 128-byte-swizzled shared memory
+(`LightningPrefill._wgmma_kernel`); there P V reads P from registers (p_regs) and Q, K, V are double-buffered,
+issued a whole chunk ahead (kv_stages=2). mma="sync" is v1; kv_stages=2 double-buffers K and V there.
 
 Sequence split (grids that cannot fill the GPU: B*H small, T long; docs/lightning_prefill.md "Sequence
 split"): split_segments() picks P segments per sequence from host-known sizes; pass 1 (has_o=False, seg=True)
@@ -34,8 +35,8 @@ count, empty past each sequence's end). On by default where the heuristic predic
 set_tuning(split=0 | P) turns it off or forces P.
 
 Static (compile key): dtype (q, k, v, o), K, V, BV, chunk, has_h0 and its dtype, has_ht, varlen and
-cu_seqlens dtype, kv_stages, mma, has_o, seg, reverse. Symbolic: B, T, H, N (one compile serves every batch, length,
-head count) and the split's segment length and count.
+cu_seqlens dtype, kv_stages, mma, has_o, seg, reverse, p_regs, o_direct. Symbolic: B, T, H, N (one compile
+serves every batch, length, head count) and the split's segment length and count.
 State layout: K-major [N, H, K, V] only (FLA's chunk_lightning_attn never passes state_v_first).
 """
 
@@ -80,11 +81,14 @@ class LightningPrefillConfig:
     has_ht: bool = True
     varlen: bool = False
     cu_dtype: str = "int32"
-    # shared-memory buffers for the K and V chunk tiles. 1 (the v1 design): the next chunk's K, V are issued
-    # after GEMM 3 and overlap only the output store; 2: issued at the top of the chunk before (double
-    # buffer; the output tile then reuses P's rows), ~108 KB per CTA, still 2 CTAs per SM. Not measured yet.
-    kv_stages: int = 1
-    # tensor-core instruction: "wgmma" (warpgroup MMA m64n64k16 from 128-byte-swizzled shared memory; kv_stages 1)
+    # shared-memory stages of the chunk tiles. 1: the next chunk's tiles are issued after the GEMMs that read
+    # them and overlap only the rest of the chunk. 2: double buffers, issued a whole chunk ahead.
+    #   sync: K and V (the output tile reuses P's rows); measured 0.513 vs 0.519 ms (session 9).
+    #   wgmma: Q, K and V, issued after barrier 1 of the chunk before; the o tile lives in the Q stage that chunk
+    #   just read. ~108 KB per CTA, still 2 CTAs per SM. Default 2: H200, graph replay, with p_regs, B1 T16384
+    #   H64 0.591 -> 0.432 ms, B2 T8192 H64 0.369 -> 0.349 (docs/lightning_prefill.md, session 15).
+    kv_stages: int = 2
+    # tensor-core instruction: "wgmma" (warpgroup MMA m64n64k16 from 128-byte-swizzled shared memory)
     # or "sync" (mma.sync m16n8k16, operands through ldmatrix from padded rows: v1). wgmma is the default: H200,
     # graph replay, bf16, h0 + ht (docs/lightning_prefill.md, session 9): B2 T8192 H64 0.394 ms vs sync 0.519
     # (kv2 0.513, bv32 0.822), B8 T4096 0.788 vs 1.034, B16 T2048 0.809 vs 1.040, B1 T16384 H64 0.621 vs 0.756.
@@ -101,17 +105,20 @@ class LightningPrefillConfig:
     # S_t = exp(g) S_{t+1} + k_t v_t^T, o_t = scale S_t^T q_t, final_state = S_0. Only the token rows the
     # CTA loads and stores change (make_span); the backward's two reversed runs use it (lightning_bwd_by_forward).
     reverse: bool = False
-    # wgmma only, each a cut in shared-memory traffic (the kernel is bound by it: docs/lightning_prefill.md,
-    # session 14). p_regs: P V takes P from registers (the masked Q K^T accumulator, converted to bf16, read as the
-    # A operand), so P is never stored or read back (16 KB per CTA and chunk). o_direct: O leaves the accumulators
-    # for global memory as 4-byte pairs instead of through a shared-memory tile (18 KB).
-    p_regs: bool = False
+    # wgmma only (mma.sync normalizes them to False), each a cut in shared-memory traffic (docs/lightning_prefill.md,
+    # sessions 14-15). p_regs: P V takes P from registers (the masked Q K^T accumulator, converted to bf16, read as
+    # the A operand), so P is never stored or read back (16 KB per CTA and chunk); on, measured 0.395 -> 0.377 ms at
+    # B2 T8192 H64. o_direct: O leaves the accumulators for global memory as 4-byte pairs instead of through a
+    # shared-memory tile (18 KB); off, measured slower (0.377 -> 0.462 ms: 4x the store requests).
+    p_regs: bool = True
     o_direct: bool = False
 
     def __post_init__(self):
-        if not self.has_o and (self.mma != "sync" or self.p_regs or self.o_direct):
-            for name, value in (("mma", "sync"), ("p_regs", False), ("o_direct", False)):
-                object.__setattr__(self, name, value)
+        if not self.has_o:
+            object.__setattr__(self, "mma", "sync")
+        if self.mma == "sync":
+            object.__setattr__(self, "p_regs", False)
+            object.__setattr__(self, "o_direct", False)
         if not self.has_o and not self.has_ht:
             raise ValueError("has_o=False needs has_ht=True (the state pass writes only the final state)")
         if self.dtype not in ("bfloat16", "float16"):
@@ -121,12 +128,10 @@ class LightningPrefillConfig:
         if self.bv not in (32, 64) or self.V % self.bv or self.chunk != 64 or (self.mma == "wgmma" and self.bv != 64):
             raise ValueError(f"bv={self.bv} chunk={self.chunk} mma={self.mma}: supported bv 64 (32 with mma.sync), "
                              f"chunk 64")
-        if (self.p_regs or self.o_direct) and self.mma != "wgmma":
-            raise ValueError(f"p_regs / o_direct with mma {self.mma!r}: they are wgmma variants")
         if self.kv_stages not in (1, 2):
             raise ValueError(f"kv_stages {self.kv_stages}: expected 1 or 2")
-        if self.mma not in ("sync", "wgmma") or (self.mma == "wgmma" and self.kv_stages != 1):
-            raise ValueError(f"mma {self.mma!r} with kv_stages {self.kv_stages}: expected 'sync', or 'wgmma' with 1")
+        if self.mma not in ("sync", "wgmma"):
+            raise ValueError(f"mma {self.mma!r}: expected 'sync' or 'wgmma'")
         if self.h0_dtype not in ("float32", "bfloat16", "float16") or self.cu_dtype not in ("int32", "int64"):
             raise ValueError(f"h0_dtype {self.h0_dtype} / cu_dtype {self.cu_dtype} unsupported")
 
@@ -213,6 +218,19 @@ def _issue_rows(atom, mX, sX, b, bos, t0, Tn, h, col0, width, rev=False):
         tok = _tok(bos, cutlass.min(t0 + r, Tn - 1), rev)
         src = _al(cute.local_tile(mX[b, tok, h, None], (VEC,), (col0 // VEC + cv,)), 16)
         cute.copy(atom, src, _rowvec(sX, r, cv))
+
+
+def _qkv_tiles(mQ, mK, mV, sQ, sK, sV, st, v0):
+    """(source, stage-st tile, first column, width) of q, k and v for _issue_chunk (sX: (token, col, stage))."""
+    return ((mQ, sQ[None, None, st], 0, cute.size(sQ, mode=[1])), (mK, sK[None, None, st], 0, cute.size(sK, mode=[1])),
+            (mV, sV[None, None, st], v0, cute.size(sV, mode=[1])))
+
+
+def _issue_chunk(atom, tiles, b, bos, t0, Tn, h, rev=False):
+    """_issue_rows of one chunk for each (mX, sX, col0, width) of tiles, as one cp.async commit group."""
+    for mX, sX, col0, width in tiles:
+        _issue_rows(atom, mX, sX, b, bos, t0, Tn, h, col0, width, rev)
+    cute.arch.cp_async_commit_group()
 
 
 @cute.jit
@@ -505,6 +523,8 @@ class LightningPrefill:
         VP = BV + PAD
         RV = cfg.reverse
         PR, OD = cfg.p_regs, cfg.o_direct
+        S = cfg.kv_stages
+        O_IN_Q = S == 2 and not OD and VP <= K   # the staged o tile lives in the Q stage the chunk just read
         span = make_span(cfg)
         KMJ, MNJ = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
 
@@ -519,25 +539,26 @@ class LightningPrefill:
 
             aK = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, DT)
             aM = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, DT)
-            LQ = cute.tile_to_shape(aK, (C, K), (0, 1))      # (token, kidx)
-            LKt = cute.tile_to_shape(aM, (K, C), (1, 0))     # (kidx, token): the bytes of LQ's tiling
-            LV = cute.tile_to_shape(aM, (BV, C), (1, 0))     # (v, token)
+            LQ = cute.tile_to_shape(aK, (C, K, S), (0, 1, 2))      # (token, kidx, stage)
+            LKt = cute.tile_to_shape(aM, (K, C, S), (1, 0, 2))     # (kidx, token, stage): the bytes of LQ's tiling
+            LV = cute.tile_to_shape(aM, (BV, C, S), (1, 0, 2))     # (v, token, stage)
+            LVd = cute.tile_to_shape(aM, (BV, C), (1, 0))          # (v, token)
             LS0 = cute.tile_to_shape(aM, (BV, K), (1, 0))    # (v, kidx)
             LP = cute.tile_to_shape(aK, (C, C), (0, 1))      # (i, j)
             smem = cutlass.memory.SmemAllocator()
             sQ = _swz(smem, DT, LQ)
             sK = _swz(smem, DT, LQ)
             sVt = _swz(smem, DT, LV)
-            sVdt = _swz(smem, DT, LV)
+            sVdt = _swz(smem, DT, LVd)
             sS0t = _swz(smem, DT, LS0)
             if cutlass.const_expr(not PR):
                 sP = _swz(smem, DT, LP)
-            if cutlass.const_expr(not OD):
-                sO = smem.allocate_tensor(DT, cute.make_layout((C, BV), stride=(VP, 1)), byte_alignment=128)
+            if cutlass.const_expr(not OD and not O_IN_Q):
+                sO = smem.allocate_tensor(DT, cute.make_layout((C, BV, 1), stride=(VP, 1, 0)), byte_alignment=128)
             sTab = smem.allocate_tensor(Float32, cute.make_layout((C + 8,)), byte_alignment=16)
             sKt = cute.make_tensor(sK.iterator, LKt.outer)
-            sV = cute.make_tensor(sVt.iterator, cute.select(LV.outer, mode=[1, 0]))     # (token, v)
-            sVd = cute.make_tensor(sVdt.iterator, cute.select(LV.outer, mode=[1, 0]))
+            sV = cute.make_tensor(sVt.iterator, cute.select(LV.outer, mode=[1, 0, 2]))  # (token, v, stage)
+            sVd = cute.make_tensor(sVdt.iterator, cute.select(LVd.outer, mode=[1, 0]))
             sS0 = cute.make_tensor(sS0t.iterator, cute.select(LS0.outer, mode=[1, 0]))  # (kidx, v)
 
             mma1 = sm90.make_trivial_tiled_mma(DT, DT, KMJ, KMJ, Float32, (1, 1, 1), (C, C))     # Q K^T
@@ -566,8 +587,14 @@ class LightningPrefill:
             tOc = t2.partition_C(cute.make_identity_tensor((C, BV)))
             if cutlass.const_expr(not PR):
                 tCsP = t1.partition_C(sP)
+            if cutlass.const_expr(O_IN_Q):
+                # the o tile (padded rows) at the start of each Q stage: stage st's last readers (GEMM 1, 2a) pass
+                # barrier 2 of chunk c before it is written; its next writer (chunk c + 2's load) comes after
+                # barrier 1 of chunk c + 1
+                sO = cute.make_tensor(cute.recast_ptr(sQ.iterator, swizzle_=None),
+                                      cute.make_layout((C, BV, S), stride=(VP, 1, C * K)))
             if cutlass.const_expr(not OD):
-                tCsO = t2.partition_C(sO)
+                tCsO = t2.partition_C(sO)   # (..., o stage)
             tCsS0 = t3.partition_C(sS0)
 
             gam = Float32(mG[h])
@@ -584,20 +611,24 @@ class LightningPrefill:
 
             nch = (Tn + C - 1) // C
             if nch > 0:
-                _issue_rows(g2s, mQ, sQ, b, bos, Int32(0), Tn, h, 0, K, RV)
-                _issue_rows(g2s, mK, sK, b, bos, Int32(0), Tn, h, 0, K, RV)
-                _issue_rows(g2s, mV, sV, b, bos, Int32(0), Tn, h, v0, BV, RV)
-                cute.arch.cp_async_commit_group()
+                _issue_chunk(g2s, _qkv_tiles(mQ, mK, mV, sQ, sK, sV, 0, v0), b, bos, Int32(0), Tn, h, RV)
 
             for c in cutlass.range(nch, unroll=1):
                 t0 = c * C
                 L = cutlass.min(Int32(C), Tn - t0)
+                st = 0
+                if cutlass.const_expr(S == 2):
+                    st = c % 2
                 rS0 = cute.make_fragment_like(accS, DT)
                 rS0.store(accS.load().to(DT))
                 cute.autovec_copy(rS0, tCsS0)
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.fence_proxy("async.shared", space="cta")  # cp.async / st.shared -> wgmma reads
-                cute.arch.barrier()  # (1)
+                cute.arch.barrier()  # (1) every read of the other stage (chunk c - 1, its o tile included) is done
+                if cutlass.const_expr(S == 2):
+                    if c + 1 < nch:
+                        # in flight for a whole chunk
+                        _issue_chunk(g2s, _qkv_tiles(mQ, mK, mV, sQ, sK, sV, 1 - st, v0), b, bos, t0 + C, Tn, h, RV)
 
                 # GEMM 1 and GEMM 2a in one wgmma group
                 accA = cute.make_rmem_tensor(t1.partition_shape_C((C, C)), Float32)
@@ -605,8 +636,8 @@ class LightningPrefill:
                 accO = cute.make_rmem_tensor(t2.partition_shape_C((C, BV)), Float32)
                 accO.fill(0.0)
                 warpgroup.fence()
-                _wgmma(mma1, accA, fQ1, fK1)
-                _wgmma(mma2, accO, fQ2, fS0)
+                _wgmma(mma1, accA, fQ1[None, None, None, st], fK1[None, None, None, st])
+                _wgmma(mma2, accO, fQ2[None, None, None, st], fS0)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
                 if cutlass.const_expr(PR):
@@ -622,24 +653,24 @@ class LightningPrefill:
                 for hv in cutlass.range_constexpr(BV // VEC // 2):
                     cv = (tidx % 2) * (BV // VEC // 2) + hv
                     rv = cute.make_rmem_tensor((VEC,), DT)
-                    cute.autovec_copy(_rowvec(sV, jr, cv), rv)
+                    cute.autovec_copy(_rowvec(sV[None, None, st], jr, cv), rv)
                     rv.store((rv.load().to(Float32) * fv).to(DT))
                     cute.autovec_copy(rv, _rowvec(sVd, jr, cv))
                 cute.arch.fence_proxy("async.shared", space="cta")  # P, Vd -> wgmma reads
                 cute.arch.barrier()  # (2) P and Vd visible; every read of sQ and sS0 is done
 
-                if c + 1 < nch:
-                    _issue_rows(g2s, mQ, sQ, b, bos, t0 + C, Tn, h, 0, K, RV)
-                    cute.arch.cp_async_commit_group()
+                if cutlass.const_expr(S == 1):
+                    if c + 1 < nch:
+                        _issue_chunk(g2s, _qkv_tiles(mQ, mK, mV, sQ, sK, sV, 0, v0)[:1], b, bos, t0 + C, Tn, h, RV)
 
                 # GEMM 2b and GEMM 3 in one wgmma group
                 accS.store(accS.load() * sTab[L])
                 warpgroup.fence()
                 if cutlass.const_expr(PR):
-                    _wgmma(mmaP, accO, _acc_as_a(rP), fV)
+                    _wgmma(mmaP, accO, _acc_as_a(rP), fV[None, None, None, st])
                 else:
-                    _wgmma(mma2, accO, fP, fV)
-                _wgmma(mma3, accS, fKt, fVd)
+                    _wgmma(mma2, accO, fP, fV[None, None, None, st])
+                _wgmma(mma3, accS, fKt[None, None, None, st], fVd)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
 
@@ -657,16 +688,15 @@ class LightningPrefill:
                                                       ((v0 + col) // 2,)), 4)
                             cute.autovec_copy(pr, dst)
                 else:
-                    cute.autovec_copy(rO, tCsO)
+                    cute.autovec_copy(rO, tCsO[None, None, None, st if O_IN_Q else 0])
                 cute.arch.barrier()  # (3) sO visible; every read of sK, sV, sVd, sP is done
 
-                if c + 1 < nch:
-                    _issue_rows(g2s, mK, sK, b, bos, t0 + C, Tn, h, 0, K, RV)
-                    _issue_rows(g2s, mV, sV, b, bos, t0 + C, Tn, h, v0, BV, RV)
-                    cute.arch.cp_async_commit_group()
+                if cutlass.const_expr(S == 1):
+                    if c + 1 < nch:
+                        _issue_chunk(g2s, _qkv_tiles(mQ, mK, mV, sQ, sK, sV, 0, v0)[1:], b, bos, t0 + C, Tn, h, RV)
 
                 if cutlass.const_expr(not OD):
-                    _store_o_rows(sO, mO, b, bos, t0, L, h, v0, RV)
+                    _store_o_rows(sO[None, None, st if O_IN_Q else 0], mO, b, bos, t0, L, h, v0, RV)
 
             if cutlass.const_expr(cfg.has_ht):
                 tCg = t3.partition_C(cute.local_tile(mHt[n, h, None, None], (K, BV), (0, vb)))
@@ -728,13 +758,13 @@ def representative_configs() -> list:
     initial state with int64 cu_seqlens, inference without a final state, and K = V = 64."""
     P = LightningPrefillConfig
     return [
-        P(has_h0=True, has_ht=True, mma="sync"),
-        P(dtype="float16", varlen=True, has_h0=False, has_ht=True, mma="sync"),
+        P(has_h0=True, has_ht=True, mma="sync", kv_stages=1),
+        P(dtype="float16", varlen=True, has_h0=False, has_ht=True, mma="sync", kv_stages=1),
         P(has_h0=True, h0_dtype="bfloat16", varlen=True, cu_dtype="int64"),
         P(has_h0=False, has_ht=False),
-        P(K=64, V=64, has_h0=True, has_ht=True, mma="sync"),
+        P(K=64, V=64, has_h0=True, has_ht=True, mma="sync", kv_stages=1),
         P(has_h0=True, has_ht=True, kv_stages=2, mma="sync"),
-        P(has_h0=True, has_ht=True, bv=32, varlen=True, mma="sync"),
+        P(has_h0=True, has_ht=True, bv=32, varlen=True, mma="sync", kv_stages=1),
         P(dtype="float16", varlen=True, has_h0=True, has_ht=True, kv_stages=2, mma="sync"),
         P(has_h0=True, has_ht=True),
         P(dtype="float16", varlen=True, has_h0=False, has_ht=True),
@@ -743,17 +773,19 @@ def representative_configs() -> list:
         P(has_o=False, has_ht=True, seg=True, kv_stages=2),
         P(dtype="float16", has_o=False, has_ht=True, seg=True, kv_stages=2, varlen=True, cu_dtype="int64"),
         P(K=64, V=64, has_o=False, has_ht=True, seg=True, kv_stages=2),
-        P(has_h0=True, has_ht=False, seg=True, mma="sync"),
-        P(has_h0=True, has_ht=False, seg=True, varlen=True, mma="sync"),
+        P(has_h0=True, has_ht=False, seg=True, mma="sync", kv_stages=1),
+        P(has_h0=True, has_ht=False, seg=True, varlen=True, mma="sync", kv_stages=1),
         P(has_h0=True, has_ht=False, seg=True),
         # reversed runs (the backward's dk and dv runs), unsplit and split
         P(has_h0=True, has_ht=True, reverse=True),
         P(has_o=False, has_ht=True, seg=True, kv_stages=2, varlen=True, reverse=True),
         P(has_h0=True, has_ht=False, seg=True, varlen=True, reverse=True),
-        # shared-memory cuts (session 14, to be measured): P from registers, O straight to global, and both
-        P(has_h0=True, has_ht=True, p_regs=True),
+        # the wgmma knobs off their defaults: P through shared memory and single stages; O straight to global
+        P(has_h0=True, has_ht=True, p_regs=False, kv_stages=1),
         P(has_h0=True, has_ht=True, o_direct=True, reverse=True),
-        P(has_h0=True, has_ht=True, p_regs=True, o_direct=True, varlen=True),
+        P(has_h0=True, has_ht=True, p_regs=True, o_direct=True, varlen=True, kv_stages=1),
+        P(dtype="float16", has_h0=True, has_ht=False, seg=True, varlen=True, reverse=True),
+        P(has_h0=False, has_ht=True, p_regs=False),
     ]
 
 

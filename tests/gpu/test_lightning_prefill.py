@@ -29,10 +29,12 @@ def _lp():
     return lightning_prefill
 
 
-VARIANTS = {"sync-kv1": {"mma": "sync"}, "sync-kv2": {"mma": "sync", "kv_stages": 2},
-            "sync-bv32": {"mma": "sync", "bv": 32}, "wgmma": {"mma": "wgmma"},
-            "wgmma-pregs": {"p_regs": True}, "wgmma-odirect": {"o_direct": True},
-            "wgmma-pregs-odirect": {"p_regs": True, "o_direct": True}}
+VARIANTS = {"sync-kv1": {"mma": "sync", "kv_stages": 1}, "sync-kv2": {"mma": "sync", "kv_stages": 2},
+            "sync-bv32": {"mma": "sync", "bv": 32, "kv_stages": 1},
+            "wgmma": {"mma": "wgmma"},   # the default: p_regs, kv_stages 2
+            "wgmma-kv1-psmem": {"kv_stages": 1, "p_regs": False}, "wgmma-kv1-pregs": {"kv_stages": 1},
+            "wgmma-kv2-psmem": {"p_regs": False}, "wgmma-odirect": {"o_direct": True},
+            "wgmma-kv1-psmem-odirect": {"kv_stages": 1, "p_regs": False, "o_direct": True}}
 
 
 @pytest.fixture(params=list(VARIANTS))
@@ -308,9 +310,11 @@ def test_split_weak_decay_long(layer, fla_fns):
     _split_vs_unsplit(q, k, v, h0, True, P=8, fla_fns=fla_fns, layer_idx=layer)
 
 
-@pytest.mark.parametrize("knobs", [{"mma": "sync"}, {"mma": "sync", "kv_stages": 2}, {"mma": "sync", "bv": 32},
-                                   {"mma": "wgmma"}, {"p_regs": True, "o_direct": True}],
-                         ids=["sync", "kv2", "bv32", "wgmma", "pregs-odirect"])
+@pytest.mark.parametrize("knobs", [{"mma": "sync", "kv_stages": 1}, {"mma": "sync", "kv_stages": 2},
+                                   {"mma": "sync", "bv": 32, "kv_stages": 1},
+                                   {"mma": "wgmma"}, {"p_regs": True, "o_direct": True},
+                                   {"kv_stages": 1, "p_regs": False}],
+                         ids=["sync", "kv2", "bv32", "wgmma", "pregs-odirect", "wgmma-kv1-psmem"])
 def test_split_variants(knobs, fla_fns):
     """Pass 2 on every kernel variant (pass 1 is always the mma.sync state pass); K = V = 64 too."""
     q, k, v, h0 = _inputs(2, 1500, 8, h0=torch.float32, seed=51)
@@ -397,6 +401,8 @@ REV_CASES = {
     "split4-T3000": dict(B=1, T=3000, split=4), "split4-varlen-skewed": dict(lens="skewed", split=4),
     "pregs-odirect-varlen": dict(lens="empty_first_mid_last", knobs={"p_regs": True, "o_direct": True}),
     "pregs-odirect-split4": dict(B=1, T=3000, split=4, knobs={"p_regs": True, "o_direct": True}),
+    "kv1-psmem-varlen": dict(lens="empty_first_mid_last", knobs={"kv_stages": 1, "p_regs": False}),
+    "kv1-psmem-split4": dict(B=1, T=3000, split=4, knobs={"kv_stages": 1, "p_regs": False}),
 }
 
 
