@@ -511,12 +511,15 @@ class LightningPrefill:
 
     def _wgmma_kernel(self):
         """The same schedule with warpgroup MMAs (cfg.mma == "wgmma"): the 4 warps are one warpgroup; every
-        GEMM operand lives in shared memory in a 128-byte-swizzled canonical layout:
+        shared-memory GEMM operand is in a 128-byte-swizzled canonical layout:
           Q [token][kidx] K-major (A of QK^T and Q S0)   K [token][kidx]: K-major B of QK^T and, the same
           bytes, MN-major A of K^T Vd                      V, Vd [token][v]: MN-major B of P V and K^T Vd
-          S0 [kidx][v]: MN-major B of Q S0                 P [i][j]: K-major A of P V
-        Generic-proxy writes (cp.async, st.shared) are fenced to the async proxy before the barrier that
-        publishes them; each GEMM pair is one wgmma group (fence, MMAs, commit, wait 0)."""
+          S0 [kidx][v]: MN-major B of Q S0                 P [i][j]: K-major A of P V, or (p_regs) the masked
+                                                           Q K^T accumulator in registers
+        Q, K, V have kv_stages stages (token, col, stage); with 2, chunk c + 1's rows are issued after barrier 1 of
+        chunk c and the o tile lives in the Q stage chunk c has just read. Generic-proxy writes (cp.async,
+        st.shared) are fenced to the async proxy before the barrier that publishes them; each GEMM pair is one
+        wgmma group (fence, MMAs, commit, wait 0)."""
         cfg = self.cfg
         K, BV, C = cfg.K, cfg.bv, cfg.chunk
         DT = _DT[cfg.dtype]
