@@ -3,10 +3,12 @@
     python -m benchmarks.lightning_variants                          # default, one stage, one stage + P in smem
     python -m benchmarks.lightning_variants --variants '{"a": {}, "b": {"kv_stages": 2, "mma": "sync"}}'
 
-Each row: one shape (K = V = 128, bf16, layer 3 of 24, h0 and final state), CUDA-graph replay timed with
-triton's do_bench (L2 flushed between replays), FLA first, then every build of ``--variants`` (a JSON object:
-name -> LightningPrefillConfig knobs, applied with ``lightning_prefill.set_tuning``). A cell is ms and the
-speedup over FLA. The cell is marked ``!`` when its o or final state differs in any bit from the first build's.
+Each row: one shape (K = V = 128, bf16, layer 3 of 24, h0 and final state). FLA and every build of ``--variants``
+(a JSON object: name -> LightningPrefillConfig knobs, applied with ``lightning_prefill.set_tuning``) are captured
+in CUDA graphs once; then ``--rounds`` rounds time each graph's replay in turn with triton's do_bench (L2 flushed
+between replays), so machine drift spreads over all of them. A cell is the median over the rounds in ms, the
+speedup over FLA, and the spread (max - min) / median when above 3%; it is marked ``!`` when its o or final state
+differs in any bit from the first build's. Run to run, single timings of the 1,024-CTA rows vary by up to ~9%.
 A measuring tool for docs/lightning_prefill.md, not part of the report.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import statistics
 
 import torch
 
@@ -22,46 +25,56 @@ ROWS = ((2, 8192, 64), (1, 16384, 64), (8, 4096, 64), (16, 2048, 64), (1, 8192, 
 DEFAULT_VARIANTS = '{"default": {}, "kv1": {"kv_stages": 1}, "kv1_psmem": {"kv_stages": 1, "p_regs": false}}'
 
 
-def graph_ms(fn) -> float:
-    """Median ms of a CUDA-graph replay of fn (the harness's capture: warmed up on a side stream first)."""
-    import triton
-
-    from benchmarks.harness import capture_graph
-    return triton.testing.do_bench(capture_graph(fn).replay, warmup=25, rep=200)
+def _cell(ts: list, t_ref: float | None = None, same: bool = True) -> str:
+    """Median ms of ts, (t_ref / median)x when t_ref is given, the spread when above 3%, '!' when not same."""
+    t = statistics.median(ts)
+    spread = (max(ts) - min(ts)) / t
+    return (f"{t:.3f}" + (f" ({t_ref / t:.2f}x)" if t_ref else "") + (f" ±{spread:.0%}" if spread > 0.03 else "")
+            + ("" if same else "!"))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.lightning_variants", description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help="JSON: name -> set_tuning knobs")
     p.add_argument("--rows", default=None, help="JSON list of [B, T, H] (default: the seven report rows)")
+    p.add_argument("--rounds", type=int, default=3, help="timing rounds over all builds (median reported)")
     args = p.parse_args(argv)
     variants = json.loads(args.variants)
     rows = [tuple(r) for r in json.loads(args.rows)] if args.rows else ROWS
 
+    import triton
     from fla.ops.lightning_attn import chunk_lightning_attn as fla_chunk
 
+    from benchmarks.harness import capture_graph
     from fla_cula.kernels import lightning_prefill as lp
     from fla_cula.reference.lightning import lightning_g_gamma
 
-    print(f"{'B':>3} {'T':>6} {'H':>3} {'FLA':>8} " + " ".join(f"{name:>15}" for name in variants), flush=True)
+    print(f"{'B':>3} {'T':>6} {'H':>3} {'FLA':>14} " + " ".join(f"{name:>20}" for name in variants), flush=True)
     for B, T, H in rows:
         gen = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(B, T, H, 128, device="cuda", generator=gen).bfloat16() for _ in range(3))
         h0 = torch.randn(B, H, 128, 128, device="cuda", generator=gen)
         g, scale = lightning_g_gamma(H, 3, 24, device="cuda"), 128 ** -0.5
-        t_fla = graph_ms(functools.partial(fla_chunk, q, k, v, 3, 24, initial_state=h0, output_final_state=True))
-        first, cells = None, []
-        for knobs in variants.values():
+        graphs = {None: capture_graph(functools.partial(fla_chunk, q, k, v, 3, 24, initial_state=h0,
+                                                        output_final_state=True))}
+        first, same = None, {}
+        for name, knobs in variants.items():
             lp.set_tuning(**knobs)
             try:
                 o, ht = lp.run(q, k, v, g, scale, h0, True, None)
                 first = first or (o, ht)
-                same = torch.equal(o, first[0]) and torch.equal(ht, first[1])
-                t = graph_ms(functools.partial(lp.run, q, k, v, g, scale, h0, True, None))
+                same[name] = torch.equal(o, first[0]) and torch.equal(ht, first[1])
+                graphs[name] = capture_graph(functools.partial(lp.run, q, k, v, g, scale, h0, True, None))
             finally:
                 lp.set_tuning()
-            cells.append(f"{t:.3f} ({t_fla / t:.2f}x){'' if same else '!'}")
-        print(f"{B:>3} {T:>6} {H:>3} {t_fla:8.3f} " + " ".join(f"{c:>15}" for c in cells), flush=True)
+        ts = {name: [] for name in graphs}
+        for _ in range(args.rounds):
+            for name, gr in graphs.items():
+                ts[name].append(triton.testing.do_bench(gr.replay, warmup=25, rep=200))
+        t_fla = statistics.median(ts[None])
+        cells = [_cell(ts[name], t_fla, same[name]) for name in variants]
+        print(f"{B:>3} {T:>6} {H:>3} {_cell(ts[None]):>14} " + " ".join(f"{c:>20}" for c in cells),
+              flush=True)
     return 0
 
 
