@@ -17,8 +17,9 @@ along M, 64 registers per thread). Per chunk (docs/lightning_prefill.md):
   2. O  = Q S0   (C x BV, S0 as bf16 from smem); O = exp(g(i+1)) O + P V
   3. S  = exp(gL) S + K^T Vd,  Vd_j = exp(g(L-1-j)) v_j for j < L, else 0
 Operands come from shared memory through ldmatrix (transposed for K^T, V, Vd and S0); the q/k/v chunk
-tiles arrive by 16-byte cp.async: the next chunk's Q as soon as the GEMMs reading Q are done, K and V
-after GEMM 3, so they overlap the output store (and the other CTA on the SM). Rows past a sequence's
+tiles arrive by 16-byte cp.async: with kv_stages=1 the next chunk's Q as soon as the GEMMs reading Q are done, K
+and V after GEMM 3, so they overlap the output store (and the other CTA on the SM); with kv_stages=2 (the default)
+a whole chunk ahead, into a second buffer. Rows past a sequence's
 end load a clamped (valid) token; the math masks them and only rows < L are stored.
 
 Variants (config knobs, all compiled and GPU-tested; defaults change only on an H200 measurement):
@@ -662,7 +663,7 @@ class LightningPrefill:
                 cute.arch.fence_proxy("async.shared", space="cta")  # P, Vd -> wgmma reads
                 cute.arch.barrier()  # (2) P and Vd visible; every read of sQ and sS0 is done
 
-                if cutlass.const_expr(S == 1):
+                if cutlass.const_expr(S == 1):   # one stage: the next chunk's Q now, its K and V after barrier 3
                     if c + 1 < nch:
                         _issue_chunk(g2s, _qkv_tiles(mQ, mK, mV, sQ, sK, sV, 0, v0)[:1], b, bos, t0 + C, Tn, h, RV)
 
