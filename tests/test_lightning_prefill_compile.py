@@ -33,7 +33,7 @@ CFGS = lp.representative_configs()
 
 def _id(c):
     return (f"{c.dtype}-K{c.K}-h0{c.h0_dtype if c.has_h0 else 'none'}-ht{int(c.has_ht)}"
-            f"-varlen{c.cu_dtype if c.varlen else 0}-kv{c.kv_stages}-bv{c.bv}-{c.mma}"
+            f"-varlen{c.cu_dtype if c.varlen else 0}-kv{c.kv_stages}-bv{c.bv}-{c.mma}{'-ws' if c.ws else ''}"
             + ("" if c.has_o else "-stateonly") + ("-seg" if c.seg else "") + ("-rev" if c.reverse else "")
             + ("-pregs" if c.p_regs else "") + ("-odirect" if c.o_direct else ""))
 
@@ -115,7 +115,10 @@ def test_sass_registers_no_spills(cfg, compiled):
     # warp (mma.sync) or m64n64k16 per warpgroup (wgmma); the kernel has one chunk body
     C, BV, K = cfg.chunk, cfg.bv, cfg.K
     macs = C * C * K + C * BV * K + C * BV * C + K * BV * C if cfg.has_o else K * BV * C   # state pass: K^T Vd
-    if cfg.mma == "wgmma":
+    if cfg.ws:   # m64nNk16 with N = C (Q K^T) or BV: the MACs of the HGMMA in the code, one chunk body per warpgroup
+        mma = sum(64 * int(n) * 16 for n in re.findall(r"\bHGMMA\.64x(\d+)x16\.F32", sass))
+        per_chunk = macs
+    elif cfg.mma == "wgmma":
         mma, per_chunk = len(re.findall(r"\bHGMMA\.64x64x16\.F32", sass)), macs // (64 * 64 * 16)
     else:
         mma, per_chunk = len(re.findall(r"\bHMMA\.16816\.F32", sass)), macs // (16 * 8 * 16) // (lp.NTHR // 32)
@@ -129,11 +132,14 @@ def test_config_key_has_no_sizes():
     for size in ("B", "T", "N", "H"):
         assert size not in keys
     assert set(keys) == {"dtype", "K", "V", "bv", "chunk", "has_h0", "h0_dtype", "has_ht", "varlen", "cu_dtype",
-                         "kv_stages", "mma", "has_o", "seg", "reverse", "p_regs", "o_direct"}
+                         "kv_stages", "mma", "has_o", "seg", "reverse", "p_regs", "o_direct", "ws", "ws_stages",
+                         "o_tma"}
     with pytest.raises(ValueError, match="bv=16"):
         lp.LightningPrefillConfig(bv=16)
     with pytest.raises(ValueError, match="bv=32 chunk=64 mma=wgmma"):
         lp.LightningPrefillConfig(bv=32, mma="wgmma")
+    with pytest.raises(ValueError, match="bv=128 chunk=64 mma=wgmma ws=False"):
+        lp.LightningPrefillConfig(bv=128, ws=False)
     with pytest.raises(ValueError, match="head dims"):
         lp.LightningPrefillConfig(K=96)
     with pytest.raises(ValueError, match="kv_stages 3"):
@@ -147,11 +153,28 @@ def test_instruction_defaults():
     are wgmma variants: mma.sync (and the state pass, which always runs it) normalizes them off, so a tuning knob
     that selects mma.sync needs no others."""
     c = lp.LightningPrefillConfig()
-    assert (c.mma, c.p_regs, c.o_direct, c.kv_stages) == ("wgmma", True, False, 2)
+    assert (c.mma, c.p_regs, c.o_direct, c.kv_stages, c.ws, c.bv) == ("wgmma", True, False, 2, True, 64)
+    # the deepest Q/K/V ring that fits: 4 stages at bv 64, 3 at bv 128 (one bf16 S_c slot, two o slots)
+    from fla_cula.kernels.lightning_prefill_ws import smem_plan
+    assert (c.ws_stages, c.o_tma, smem_plan(c)[:3]) == (0, True, (4, 2, 2))
+    assert smem_plan(lp.LightningPrefillConfig(bv=128))[:3] == (3, 1, 2)
+    assert smem_plan(lp.LightningPrefillConfig(bv=128, ws_stages=2))[:3] == (2, 2, 2)
+    assert smem_plan(lp.LightningPrefillConfig(bv=128, o_tma=False))[:3] == (3, 1, 1)
+    with pytest.raises(ValueError, match="ws_stages 4 at K=128 bv=128"):
+        lp.LightningPrefillConfig(bv=128, ws_stages=4)
+    # ws: the one-warpgroup kernel's knobs normalize to their defaults; runs it cannot serve normalize it off
+    # (and bv 128 to 64), so a knob set for the unsplit forward leaves the split's and reverse runs' kernels valid
+    assert lp.LightningPrefillConfig(kv_stages=1, p_regs=False, o_direct=True).key() == c.key()
+    assert lp.LightningPrefillConfig(bv=128, V=64, K=64).bv == 64
+    for kw in ({"seg": True}, {"reverse": True}, {"has_o": False}, {"mma": "sync"}):
+        c = lp.LightningPrefillConfig(bv=128, **kw)
+        assert (c.ws, c.bv) == (False, 64), kw
+    assert lp.LightningPrefillConfig(ws=False, kv_stages=1).kv_stages == 1
     c = lp.LightningPrefillConfig(mma="sync", o_direct=True)
     assert (c.p_regs, c.o_direct, c.kv_stages) == (False, False, 2)
     assert lp.LightningPrefillConfig(mma="sync").key() == lp.LightningPrefillConfig(mma="sync", p_regs=False).key()
-    assert lp.LightningPrefillConfig(kv_stages=1, p_regs=False).key() != lp.LightningPrefillConfig().key()
+    assert (lp.LightningPrefillConfig(ws=False, kv_stages=1, p_regs=False).key()
+            != lp.LightningPrefillConfig(ws=False).key())
 
 
 def test_tuning_knob_reaches_the_config(monkeypatch):
@@ -159,7 +182,15 @@ def test_tuning_knob_reaches_the_config(monkeypatch):
     seen = []
     monkeypatch.setattr(lp.TUNING, "get", lambda name, cfg: seen.append(cfg) or (lambda *a: None))
     a = _args()
-    assert lp.plan(*a.values())[0] is None and seen[-1] == lp.LightningPrefillConfig(has_h0=False)
+    assert lp.plan(*a.values())[0] is None
+    assert seen == [lp.LightningPrefillConfig(has_h0=False, bv=b) for b in (64, 128)]   # ws at both bv
+    seen.clear()
+    lp.set_tuning(kv_stages=1, ws=False)
+    try:
+        # one build: the knobs themselves apply inside TUNING.get (stubbed here)
+        assert lp.plan(*a.values())[0] is None and seen == [lp.LightningPrefillConfig(has_h0=False)]
+    finally:
+        lp.set_tuning()
     with pytest.raises(ValueError, match="unknown LightningPrefillConfig fields"):
         lp.set_tuning(stages=2)
 
@@ -294,7 +325,7 @@ def test_plan_chunk_adapter(monkeypatch):
     cfg = SimpleNamespace(scale=0.1, output_final_state=False, chunk_size=64)
     r, fwd = lp.plan_chunk(a["q"], a["k"], a["v"], a["g_gamma"], None, a["cu_seqlens"], cfg)
     assert r is None and callable(fwd)
-    assert seen[-1] == lp.LightningPrefillConfig(has_ht=False, varlen=True)
+    assert seen == [lp.LightningPrefillConfig(has_ht=False, varlen=True, bv=b) for b in (64, 128)]
     r, fwd = lp.plan_chunk(a["q"], a["k"], a["v"], torch.empty(3, device="meta"), None, None, cfg)
     assert fwd is None and "g_gamma shape" in r
 

@@ -23,7 +23,10 @@ a whole chunk ahead, into a second buffer. Rows past a sequence's
 end load a clamped (valid) token; the math masks them and only rows < L are stored.
 
 Variants (config knobs, all compiled and GPU-tested; defaults change only on an H200 measurement):
-mma="wgmma", the default, runs the same schedule with warpgroup MMAs from 128-byte-swizzled shared memory
+ws=True, the default for unsplit forward runs, is the warp-specialized kernel of lightning_prefill_ws (a TMA
+producer, a state warpgroup and an output warpgroup per CTA; bv 128 where N H fills the GPU, else 64). The rest
+of this module is the one-warpgroup kernel, which the sequence split's passes, reversed runs and ws=False take.
+mma="wgmma" runs the schedule above with warpgroup MMAs from 128-byte-swizzled shared memory
 (`LightningPrefill._wgmma_kernel`); there P V reads P from registers (p_regs) and Q, K, V are double-buffered,
 issued a whole chunk ahead (kv_stages=2). mma="sync" is v1; kv_stages=2 double-buffers K and V there.
 
@@ -36,7 +39,8 @@ count, empty past each sequence's end). On by default where the heuristic predic
 set_tuning(split=0 | P) turns it off or forces P.
 
 Static (compile key): dtype (q, k, v, o), K, V, BV, chunk, has_h0 and its dtype, has_ht, varlen and
-cu_seqlens dtype, kv_stages, mma, has_o, seg, reverse, p_regs, o_direct. Symbolic: B, T, H, N (one compile
+cu_seqlens dtype, kv_stages, mma, has_o, seg, reverse, p_regs, o_direct, ws, ws_stages, o_tma. Symbolic: B, T, H, N
+(one compile
 serves every batch, length, head count) and the split's segment length and count.
 State layout: K-major [N, H, K, V] only (FLA's chunk_lightning_attn never passes state_v_first).
 """
@@ -113,28 +117,57 @@ class LightningPrefillConfig:
     # shared-memory tile (18 KB); off, measured slower (0.377 -> 0.462 ms: 4x the store requests).
     p_regs: bool = True
     o_direct: bool = False
+    # warp-specialized kernel (lightning_prefill_ws): a TMA producer, a state warpgroup and an output warpgroup per
+    # CTA, one CTA per SM; bv 64 or 128 (one CTA per (n, h) at V = 128; plan() picks it per call, WS_BV128_CTAS).
+    # Unsplit forward runs only: seg, has_o=False, reverse and mma.sync normalize it off (and bv 128 to 64); it
+    # normalizes kv_stages, p_regs and o_direct (the knobs of the one-warpgroup kernel) to their defaults. The
+    # default: H200, graph replay, bf16, h0 + ht (docs/lightning_prefill.md, session 16): B2 T8192 H64 0.361 ->
+    # 0.303 ms (bv 128), B1 T16384 H64 0.438 -> 0.349 (bv 64), B8 T4096 0.737 -> 0.643, B16 T2048 0.770 -> 0.659.
+    ws: bool = True
+    # ws only: depth of the Q/K/V ring (TMA stages in flight); the bf16 S_c and o slots shrink to fit shared memory
+    # (lightning_prefill_ws.smem_plan). 0 (the default): the deepest ring that fits, 4 at bv 64 and 3 at bv 128;
+    # H200, session 16: bv 64 B1 T16384 H64 0.313 ms at 3 stages, 0.305 at 4; bv 128 B2 T8192 H64 0.298 at 2, 0.295
+    # at 3. 0 when ws is off.
+    ws_stages: int = 0
+    # ws only: each chunk's o tile leaves shared memory as one TMA store (the store warp waits only before reusing
+    # the slot); False: 16-byte rows by the output warpgroup's threads. Off when ws is off.
+    o_tma: bool = True
 
     def __post_init__(self):
+        if self.kv_stages not in (1, 2):
+            raise ValueError(f"kv_stages {self.kv_stages}: expected 1 or 2")
         if not self.has_o:
             object.__setattr__(self, "mma", "sync")
         if self.mma == "sync":
             object.__setattr__(self, "p_regs", False)
             object.__setattr__(self, "o_direct", False)
+        if self.ws and (self.seg or self.reverse or self.mma != "wgmma"):
+            object.__setattr__(self, "ws", False)
+            object.__setattr__(self, "bv", min(self.bv, 64))
+        if self.ws:
+            object.__setattr__(self, "bv", min(self.bv, self.V))
+            for f, d in (("p_regs", True), ("o_direct", False), ("kv_stages", 2)):
+                object.__setattr__(self, f, d)
+        else:
+            object.__setattr__(self, "ws_stages", 0)
+            object.__setattr__(self, "o_tma", False)
         if not self.has_o and not self.has_ht:
             raise ValueError("has_o=False needs has_ht=True (the state pass writes only the final state)")
         if self.dtype not in ("bfloat16", "float16"):
             raise ValueError(f"dtype {self.dtype}: expected bfloat16 or float16")
         if self.K not in (64, 128) or self.V not in (64, 128):
             raise ValueError(f"head dims K={self.K} V={self.V}: expected 64 or 128")
-        if self.bv not in (32, 64) or self.V % self.bv or self.chunk != 64 or (self.mma == "wgmma" and self.bv != 64):
-            raise ValueError(f"bv={self.bv} chunk={self.chunk} mma={self.mma}: supported bv 64 (32 with mma.sync), "
-                             f"chunk 64")
-        if self.kv_stages not in (1, 2):
-            raise ValueError(f"kv_stages {self.kv_stages}: expected 1 or 2")
+        bvs = (64, 128) if self.ws else (64,) if self.mma == "wgmma" else (32, 64)
+        if self.bv not in bvs or self.V % self.bv or self.chunk != 64:
+            raise ValueError(f"bv={self.bv} chunk={self.chunk} mma={self.mma} ws={self.ws}: supported bv 64 (32 with "
+                             f"mma.sync, 128 with ws), chunk 64")
         if self.mma not in ("sync", "wgmma"):
             raise ValueError(f"mma {self.mma!r}: expected 'sync' or 'wgmma'")
         if self.h0_dtype not in ("float32", "bfloat16", "float16") or self.cu_dtype not in ("int32", "int64"):
             raise ValueError(f"h0_dtype {self.h0_dtype} / cu_dtype {self.cu_dtype} unsupported")
+        if self.ws:
+            from fla_cula.kernels.lightning_prefill_ws import smem_plan
+            smem_plan(self)   # raises when the ring does not fit
 
     def key(self):
         return tuple((f.name, getattr(self, f.name)) for f in fields(self))
@@ -179,6 +212,53 @@ def _acc_as_a(acc):
     return cute.make_tensor(acc.iterator, cute.make_layout(
         ((sh[0][0], sh[0][1], sh[0][2][0]), sh[1], (sh[0][2][1], sh[2])),
         stride=((st[0][0], st[0][1], st[0][2][0]), st[1], (st[0][2][1], st[2]))))
+
+
+def _decay_v(sVs, sVd, tidx, L, sTab, DT):
+    """Vd_j = exp(g (L - 1 - j)) v_j for rows j < L, else 0 (a row past the end holds a finite token: times 0 it is
+    exactly 0): the (token, v) tile sVs scaled into sVd by threads tidx < 2 C, two per row, 16-byte vectors."""
+    BV = cute.size(sVd, mode=[1])
+    jr = tidx // 2
+    fv = cutlass.select_(jr < L, sTab[cutlass.max(L - 1 - jr, 0)], Float32(0.0))
+    for hv in range(BV // VEC // 2):   # plain Python: unrolled at trace time
+        cv = (tidx % 2) * (BV // VEC // 2) + hv
+        rv = cute.make_rmem_tensor((VEC,), DT)
+        cute.autovec_copy(_rowvec(sVs, jr, cv), rv)
+        rv.store((rv.load().to(Float32) * fv).to(DT))
+        cute.autovec_copy(rv, _rowvec(sVd, jr, cv))
+
+
+def _state_init(thr, mH0, n, h, vb, K, BV, has_h0: bool):
+    """The state block S[:, vb BV : (vb + 1) BV] as the fp32 accumulator of thr's (K x BV) partition: h0 (any float
+    dtype, converted) or 0."""
+    accS = cute.make_rmem_tensor(thr.partition_shape_C((K, BV)), Float32)
+    accS.fill(0.0)
+    if has_h0:
+        tCg = thr.partition_C(cute.local_tile(mH0[n, h, None, None], (K, BV), (0, vb)))
+        r0 = cute.make_fragment_like(tCg)
+        cute.autovec_copy(tCg, r0)
+        accS.store(r0.load().to(Float32))
+    return accS
+
+
+def _state_store(thr, accS, mHt, n, h, vb, K, BV):
+    """The state block accS (thr's partition) into final_state[n, h, :, vb BV : (vb + 1) BV] (fp32)."""
+    cute.autovec_copy(accS, thr.partition_C(cute.local_tile(mHt[n, h, None, None], (K, BV), (0, vb))))
+
+
+def _qk_and_qs(mma1, t1, fQ1, fK1, mma2, t2, fQ2, fS, C, BV):
+    """One wgmma group (fence, MMAs, commit, wait 0): A = Q K^T (C x C) and O = Q S0 (C x BV) into fresh fp32
+    accumulators, from the warpgroup-MMA fragments of one stage."""
+    accA = cute.make_rmem_tensor(t1.partition_shape_C((C, C)), Float32)
+    accA.fill(0.0)
+    accO = cute.make_rmem_tensor(t2.partition_shape_C((C, BV)), Float32)
+    accO.fill(0.0)
+    warpgroup.fence()
+    _wgmma(mma1, accA, fQ1, fK1)
+    _wgmma(mma2, accO, fQ2, fS)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
+    return accA, accO
 
 
 def _stage(buf, st, rows, cols, rstride, transposed=False):
@@ -235,13 +315,13 @@ def _issue_chunk(atom, tiles, b, bos, t0, Tn, h, rev=False):
 
 
 @cute.jit
-def _store_o_rows(sO: cute.Tensor, mO: cute.Tensor, b, bos, t0, L, h, v0, rev: cutlass.Constexpr):
+def _store_o_rows(sO: cute.Tensor, mO: cute.Tensor, b, bos, t0, L, h, v0, rev: cutlass.Constexpr, tidx,
+                  nthr: cutlass.Constexpr):
     """The staged output tile sO (C x BV, padded rows) to o: logical rows r < L of the chunk at t0 go to memory row
-    _tok(bos, t0 + r, rev), columns v0 .. v0 + BV, as 16-byte vectors spread over the CTA's threads."""
-    tidx, _, _ = cute.arch.thread_idx()
+    _tok(bos, t0 + r, rev), columns v0 .. v0 + BV, as 16-byte vectors spread over threads tidx = 0 .. nthr - 1."""
     C, BV = cute.size(sO, mode=[0]), cute.size(sO, mode=[1])
-    for it in cutlass.range_constexpr(C * (BV // VEC) // NTHR):
-        idx = tidx + NTHR * it
+    for it in cutlass.range_constexpr(C * (BV // VEC) // nthr):
+        idx = tidx + nthr * it
         r = idx // (BV // VEC)
         cv = idx % (BV // VEC)
         if r < L:
@@ -373,13 +453,7 @@ class LightningPrefill:
                 sTab[tidx] = cute.math.exp(gam * Float32(tidx), fastmath=False)
 
             # ---- the state block S[:, v0 : v0 + BV] (fp32 accumulator of GEMM 3) ----
-            accS = cute.make_rmem_tensor(thr_mma.partition_shape_C((K, BV)), Float32)
-            accS.fill(0.0)
-            if cutlass.const_expr(cfg.has_h0):
-                tCg = thr_mma.partition_C(cute.local_tile(mH0[n, h, None, None], (K, BV), (0, vb)))
-                r0 = cute.make_fragment_like(tCg)
-                cute.autovec_copy(tCg, r0)
-                accS.store(r0.load().to(Float32))
+            accS = _state_init(thr_mma, mH0, n, h, vb, K, BV, cfg.has_h0)
 
             nch = (Tn + C - 1) // C
             if nch > 0:
@@ -436,16 +510,7 @@ class LightningPrefill:
                         i, _ = tOc[e]
                         accO[e] = accO[e] * sTab[i + 1]
 
-                # Vd = exp(g(L-1-j)) v_j (j < L; 0 past the end): thread -> row tidx // 2, half tidx % 2
-                # (rows past the end hold a clamped, finite token: times 0 they are exactly 0)
-                jr = tidx // 2
-                fv = cutlass.select_(jr < L, sTab[cutlass.max(L - 1 - jr, 0)], Float32(0.0))
-                for hv in cutlass.range_constexpr(BV // VEC // 2):
-                    cv = (tidx % 2) * (BV // VEC // 2) + hv
-                    rv = cute.make_rmem_tensor((VEC,), DT)
-                    cute.autovec_copy(_rowvec(sV, jr, cv), rv)
-                    rv.store((rv.load().to(Float32) * fv).to(DT))
-                    cute.autovec_copy(rv, _rowvec(sVd, jr, cv))
+                _decay_v(sV, sVd, tidx, L, sTab, DT)
                 cute.arch.barrier()  # (2) P and Vd visible; every read of sQ and sS0 is done
 
                 if cutlass.const_expr(HO):
@@ -475,12 +540,14 @@ class LightningPrefill:
                         cute.arch.cp_async_commit_group()
 
                 if cutlass.const_expr(HO):
-                    _store_o_rows(sO, mO, b, bos, t0, L, h, v0, RV)
+                    _store_o_rows(sO, mO, b, bos, t0, L, h, v0, RV, tidx, NTHR)
 
             if cutlass.const_expr(cfg.has_ht):
-                tCg = thr_mma.partition_C(cute.local_tile(mHt[n, h, None, None], (K, BV), (0, vb)))
-                cute.autovec_copy(accS, tCg)
+                _state_store(thr_mma, accS, mHt, n, h, vb, K, BV)
 
+        if cfg.ws:
+            from fla_cula.kernels.lightning_prefill_ws import make_launcher
+            return make_launcher(cfg)
         kern = kernel if cfg.mma == "sync" else self._wgmma_kernel()
 
         if cfg.seg:
@@ -605,13 +672,7 @@ class LightningPrefill:
             if tidx <= C:
                 sTab[tidx] = cute.math.exp(gam * Float32(tidx), fastmath=False)
 
-            accS = cute.make_rmem_tensor(t3.partition_shape_C((K, BV)), Float32)
-            accS.fill(0.0)
-            if cutlass.const_expr(cfg.has_h0):
-                tCg = t3.partition_C(cute.local_tile(mH0[n, h, None, None], (K, BV), (0, vb)))
-                r0 = cute.make_fragment_like(tCg)
-                cute.autovec_copy(tCg, r0)
-                accS.store(r0.load().to(Float32))
+            accS = _state_init(t3, mH0, n, h, vb, K, BV, cfg.has_h0)
 
             nch = (Tn + C - 1) // C
             if nch > 0:
@@ -635,15 +696,8 @@ class LightningPrefill:
                         _issue_chunk(g2s, _qkv_tiles(mQ, mK, mV, sQ, sK, sV, 1 - st, v0), b, bos, t0 + C, Tn, h, RV)
 
                 # GEMM 1 and GEMM 2a in one wgmma group
-                accA = cute.make_rmem_tensor(t1.partition_shape_C((C, C)), Float32)
-                accA.fill(0.0)
-                accO = cute.make_rmem_tensor(t2.partition_shape_C((C, BV)), Float32)
-                accO.fill(0.0)
-                warpgroup.fence()
-                _wgmma(mma1, accA, fQ1[None, None, None, st], fK1[None, None, None, st])
-                _wgmma(mma2, accO, fQ2[None, None, None, st], fS0)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
+                accA, accO = _qk_and_qs(mma1, t1, fQ1[None, None, None, st], fK1[None, None, None, st], mma2, t2,
+                                        fQ2[None, None, None, st], fS0, C, BV)
                 if cutlass.const_expr(PR):
                     rP = _mask_decay(accA, tAc, sTab, DT)   # read by P V from registers
                 else:
@@ -652,14 +706,7 @@ class LightningPrefill:
                     i, _ = tOc[e]
                     accO[e] = accO[e] * sTab[i + 1]
 
-                jr = tidx // 2
-                fv = cutlass.select_(jr < L, sTab[cutlass.max(L - 1 - jr, 0)], Float32(0.0))
-                for hv in cutlass.range_constexpr(BV // VEC // 2):
-                    cv = (tidx % 2) * (BV // VEC // 2) + hv
-                    rv = cute.make_rmem_tensor((VEC,), DT)
-                    cute.autovec_copy(_rowvec(sV[None, None, st], jr, cv), rv)
-                    rv.store((rv.load().to(Float32) * fv).to(DT))
-                    cute.autovec_copy(rv, _rowvec(sVd, jr, cv))
+                _decay_v(sV[None, None, st], sVd, tidx, L, sTab, DT)
                 cute.arch.fence_proxy("async.shared", space="cta")  # P, Vd -> wgmma reads
                 cute.arch.barrier()  # (2) P and Vd visible; every read of sQ and sS0 is done
 
@@ -700,11 +747,10 @@ class LightningPrefill:
                         _issue_chunk(g2s, _qkv_tiles(mQ, mK, mV, sQ, sK, sV, 0, v0)[1:], b, bos, t0 + C, Tn, h, RV)
 
                 if cutlass.const_expr(not OD):
-                    _store_o_rows(sO[None, None, st if O_IN_Q else 0], mO, b, bos, t0, L, h, v0, RV)
+                    _store_o_rows(sO[None, None, st if O_IN_Q else 0], mO, b, bos, t0, L, h, v0, RV, tidx, NTHR)
 
             if cutlass.const_expr(cfg.has_ht):
-                tCg = t3.partition_C(cute.local_tile(mHt[n, h, None, None], (K, BV), (0, vb)))
-                cute.autovec_copy(accS, tCg)
+                _state_store(t3, accS, mHt, n, h, vb, K, BV)
 
         return kernel
 
@@ -742,6 +788,13 @@ class LightningPrefill:
         if not self.cfg.has_o:   # the state pass: one GEMM (K^T Vd: both operands through ldmatrix .trans)
             return (r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(bf16|f16)\.(bf16|f16)\.f32",
                     r"ldmatrix\.sync\.aligned\.m8n8\.x4\.trans\.shared\.b16", common[0], common[2])
+        if self.cfg.ws:
+            c = self.cfg
+            tma = (r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta",) if c.o_tma else ()
+            rows = (common[1],) if not c.o_tma or c.varlen else ()
+            return (rf"wgmma\.mma_async\.sync\.aligned\.m64n{c.bv}k16\.f32\.(bf16\.bf16|f16\.f16)",
+                    r"cp\.async\.bulk\.tensor\.\dd\.shared::(cta|cluster)\.global",
+                    r"setmaxnreg\.inc\.sync\.aligned\.u32", r"mbarrier\.try_wait", common[2], *tma, *rows)
         if self.cfg.mma == "wgmma":
             return (r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.(bf16\.bf16|f16\.f16)",
                     r"wgmma\.fence\.sync\.aligned", r"wgmma\.commit_group\.sync\.aligned",
@@ -758,21 +811,33 @@ class LightningPrefill:
 
 
 def representative_configs() -> list:
-    """What CI compiles for sm_90a: the serving shape (bf16, h0 + ht), fp16 varlen without h0, a bf16
-    initial state with int64 cu_seqlens, inference without a final state, and K = V = 64."""
+    """What CI compiles for sm_90a: the warp-specialized default at both bv (the serving shape, fp16 varlen, a bf16
+    initial state with int64 cu_seqlens, inference without a final state, K = V = 64); the one-warpgroup kernels
+    (mma.sync, wgmma and their knobs), which the split's passes, reversed runs and ws=False use."""
     P = LightningPrefillConfig
+    W = functools.partial(P, ws=False)
     return [
+        # warp-specialized (the default for unsplit forward runs)
+        P(has_h0=True, has_ht=True, bv=128),
+        P(has_h0=True, has_ht=True),
+        P(dtype="float16", varlen=True, has_h0=False, has_ht=True, bv=128),
+        P(has_h0=True, h0_dtype="bfloat16", varlen=True, cu_dtype="int64"),
+        P(has_h0=False, has_ht=False, bv=128),
+        P(K=64, V=64, has_h0=True, h0_dtype="float16", has_ht=True),
+        P(has_h0=True, has_ht=True, bv=128, o_tma=False, varlen=True),   # o rows by the threads
+        P(has_h0=True, has_ht=True, ws_stages=2),
+        # one warpgroup
         P(has_h0=True, has_ht=True, mma="sync", kv_stages=1),
         P(dtype="float16", varlen=True, has_h0=False, has_ht=True, mma="sync", kv_stages=1),
-        P(has_h0=True, h0_dtype="bfloat16", varlen=True, cu_dtype="int64"),
-        P(has_h0=False, has_ht=False),
+        W(has_h0=True, h0_dtype="bfloat16", varlen=True, cu_dtype="int64"),
+        W(has_h0=False, has_ht=False),
         P(K=64, V=64, has_h0=True, has_ht=True, mma="sync", kv_stages=1),
         P(has_h0=True, has_ht=True, kv_stages=2, mma="sync"),
         P(has_h0=True, has_ht=True, bv=32, varlen=True, mma="sync", kv_stages=1),
         P(dtype="float16", varlen=True, has_h0=True, has_ht=True, kv_stages=2, mma="sync"),
-        P(has_h0=True, has_ht=True),
-        P(dtype="float16", varlen=True, has_h0=False, has_ht=True),
-        P(K=64, V=64, has_h0=True, h0_dtype="float16", has_ht=True),
+        W(has_h0=True, has_ht=True),
+        W(dtype="float16", varlen=True, has_h0=False, has_ht=True),
+        W(K=64, V=64, has_h0=True, h0_dtype="float16", has_ht=True),
         # the sequence split: pass 1 (state only, double-buffered K, V) and pass 2 (o from the combined states)
         P(has_o=False, has_ht=True, seg=True, kv_stages=2),
         P(dtype="float16", has_o=False, has_ht=True, seg=True, kv_stages=2, varlen=True, cu_dtype="int64"),
@@ -784,12 +849,13 @@ def representative_configs() -> list:
         P(has_h0=True, has_ht=True, reverse=True),
         P(has_o=False, has_ht=True, seg=True, kv_stages=2, varlen=True, reverse=True),
         P(has_h0=True, has_ht=False, seg=True, varlen=True, reverse=True),
-        # the wgmma knobs off their defaults: P through shared memory and single stages; O straight to global
-        P(has_h0=True, has_ht=True, p_regs=False, kv_stages=1),
+        # the one-warpgroup wgmma knobs off their defaults: P through shared memory and single stages; O straight
+        # to global
+        W(has_h0=True, has_ht=True, p_regs=False, kv_stages=1),
         P(has_h0=True, has_ht=True, o_direct=True, reverse=True),
-        P(has_h0=True, has_ht=True, p_regs=True, o_direct=True, varlen=True, kv_stages=1),
+        W(has_h0=True, has_ht=True, p_regs=True, o_direct=True, varlen=True, kv_stages=1),
         P(dtype="float16", has_h0=True, has_ht=False, seg=True, varlen=True, reverse=True),
-        P(has_h0=False, has_ht=True, p_regs=False),
+        W(has_h0=False, has_ht=True, p_regs=False),
     ]
 
 
@@ -1175,13 +1241,25 @@ def plan(q, k, v, g_gamma, scale, initial_state, output_final_state, cu_seqlens,
         h0_dtype=FLOAT[initial_state.dtype] if initial_state is not None else "float32",
         has_ht=has_ht, varlen=cu_seqlens is not None,
         cu_dtype=INT[cu_seqlens.dtype] if cu_seqlens is not None else "int32", reverse=bool(reverse))
-    fn = get_kernel(cfg)
     dev = q.device
     # the sequence split (set_tuning(split=...); the heuristic reads the tuned bv): its three kernels compile on
     # first use
     split_knob = _SPLIT["split"]
-    bv = replace(cfg, **TUNING.knobs("lightning_prefill")).bv
+    knobs = TUNING.knobs("lightning_prefill")
+    tuned = replace(cfg, **knobs)
+    bv = min(tuned.bv, 64)
+    # the unsplit kernels, compiled now (not on a first call that may be under graph capture): the warp-specialized
+    # one at bv 128 and 64 (unsplit() picks per call), or the one build a bv knob or ws=False asks for
+    pick = not ("bv" in knobs or not tuned.ws or V < 128)
+    unsplit_fns = {b: get_kernel(replace(cfg, bv=b)) for b in (64, 128)} if pick else {None: get_kernel(cfg)}
     split_fns = []
+
+    def unsplit(N, H):
+        """The unsplit kernel for N sequences of H heads: bv 128 where that grid fills the GPU (WS_BV128_CTAS),
+        else bv 64 (twice the CTAs)."""
+        if not pick:
+            return unsplit_fns[None]
+        return unsplit_fns[128 if N * H >= WS_BV128_CTAS else 64]
 
     def fns():
         if not split_fns:
@@ -1204,7 +1282,7 @@ def plan(q, k, v, g_gamma, scale, initial_state, output_final_state, cu_seqlens,
                 return _run_split(fns, dev, q, k, v, g_gamma, scale, h0, cu, N, has_ht, *sp)
         o = torch.empty(v.shape, dtype=q.dtype, device=dev)
         ht = torch.empty((N, q.shape[2], K, V), dtype=torch.float32, device=dev) if has_ht else None
-        launch(fn, dev, q, k, v, g_gamma, h0, ht, o, cu, float(scale))
+        launch(unsplit(N, q.shape[2]), dev, q, k, v, g_gamma, h0, ht, o, cu, float(scale))
         return o, ht
 
     go.split_knob, go.bv = split_knob, bv   # what this plan splits with (plan_chunk's small-grid check)
@@ -1228,6 +1306,11 @@ def plan_chunk(q, k, v, g_gamma, initial_state, cu_seqlens, cfg):
     fwd.run = run   # any signature, for chunk_autograd.lightning_bwd_by_forward's three runs
     return None, fwd
 
+
+# The warp-specialized kernel takes bv 128 (one CTA per (n, h), one per SM) from this many CTAs, else bv 64: H200,
+# session 16, graph replay: 64 (n, h) pairs (B1 T16384 H64) 0.547 ms at bv 128 vs 0.349 at bv 64; 128 pairs (B2 T8192
+# H64) 0.303 vs 0.353.
+WS_BV128_CTAS = 128
 
 # Below MIN_CTAS CTAs (N * H * V / bv) the kernel is slower than FLA unless the sequence split serves the call:
 # H200, session 9, graph replay, wgmma, bf16 (docs/lightning_prefill.md): 128 CTAs (B1 T16384 H64) 1.21x FLA;

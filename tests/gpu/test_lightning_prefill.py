@@ -31,10 +31,13 @@ def _lp():
 
 VARIANTS = {"sync-kv1": {"mma": "sync", "kv_stages": 1}, "sync-kv2": {"mma": "sync", "kv_stages": 2},
             "sync-bv32": {"mma": "sync", "bv": 32, "kv_stages": 1},
-            "wgmma": {"mma": "wgmma"},   # the default: p_regs, kv_stages 2
-            "wgmma-kv1-psmem": {"kv_stages": 1, "p_regs": False}, "wgmma-kv1-pregs": {"kv_stages": 1},
-            "wgmma-kv2-psmem": {"p_regs": False}, "wgmma-odirect": {"o_direct": True},
-            "wgmma-kv1-psmem-odirect": {"kv_stages": 1, "p_regs": False, "o_direct": True}}
+            # the one-warpgroup wgmma kernel (session-15 default: p_regs, kv_stages 2) and its knobs
+            "wgmma": {"ws": False}, "wgmma-kv1-psmem": {"ws": False, "kv_stages": 1, "p_regs": False},
+            "wgmma-kv1-pregs": {"ws": False, "kv_stages": 1}, "wgmma-kv2-psmem": {"ws": False, "p_regs": False},
+            "wgmma-odirect": {"ws": False, "o_direct": True},
+            "wgmma-kv1-psmem-odirect": {"ws": False, "kv_stages": 1, "p_regs": False, "o_direct": True},
+            # the warp-specialized kernel (the default), unsplit at both bv (the split's passes normalize ws off)
+            "ws-bv128": {"bv": 128, "split": 0}, "ws-bv64": {"bv": 64, "split": 0}}
 
 
 @pytest.fixture(params=list(VARIANTS))

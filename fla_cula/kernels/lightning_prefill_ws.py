@@ -1,0 +1,317 @@
+# CuTe DSL evaluates annotations at trace time: no `from __future__ import annotations` here.
+"""Lightning-attention prefill, warp-specialized (SM90, CuTe DSL): LightningPrefillConfig(ws=True).
+
+The math is lightning_prefill's (chunks of C = 64 tokens, g = g_gamma[h] <= 0, S fp32 K x BV):
+  o_i   = scale * [ exp(g(i+1)) q_i^T S_c + sum_{j<=i} exp(g(i-j)) (q_i . k_j) v_j ]
+  S_c+1 = exp(gL) S_c + sum_{j<L} exp(g(L-1-j)) k_j v_j^T
+Only the state update is a serial chain; each chunk's output needs S_c and nothing after it. So one CTA per
+(BV-column block, head, sequence) runs three warpgroups of 128 threads:
+  WG0  producer: one warp issues the chunk's Q, K, V boxes by TMA into a ring of ws_stages stages (mbarriers `ld`);
+  WG1  state:    owns S (fp32 accumulators, K x BV). Per chunk c: publish bf16(S_c) into a slot of the S_c ring
+                 (mbarriers `sp`), then Vd = decay(V) in shared memory and S += K^T Vd (wgmma);
+  WG2  output:   per chunk c: A = Q K^T and O = Q S_c (one wgmma group), P = mask/decay(A) in registers,
+                 O = exp(g(i+1)) O + P V (wgmma, P from registers), then o through an o slot: one TMA store of the
+                 whole tile (o_tma), or 16-byte rows by the warpgroup's threads.
+The state warpgroup runs up to an S_c ring ahead of the output warpgroup; the producer up to ws_stages chunks.
+setmaxnreg: 24 registers for the producer, 240 for the two math warpgroups (128 x 504 <= 64K).
+H200 measurements and the reasoning: docs/lightning_prefill.md, "v3 (session 16)".
+
+Shared memory (bf16, BV = 128): Q, K, V 48 KB per stage x ws_stages, the bf16 S_c slots (32 KB each), Vd 16 KB,
+the o slots (16 KB each): smem_plan() fits them in 227 KB, one CTA per SM. Layouts are lightning_prefill's wgmma
+ones (128-byte swizzle): Q, K [token][kidx] K-major (K's bytes are also the MN-major A of K^T Vd), V, Vd
+[token][v] and S_c [kidx][v] MN-major; the o slots [token][v] rows of 128-byte swizzle atoms, the TMA store's box.
+
+Tails and varlen: a chunk's TMA box starts at the sequence's token bos + 64 c. Rows past the sequence are the next
+sequence's tokens or zero (TMA fills past the tensor's end): finite. P_ij = 0 for j > i and Vd_j = 0 for j >= L
+remove them from every sum; only rows i < L are stored (TMA clips a box at T; a varlen sequence's tail chunk goes
+out row by row, its box would overwrite the next sequence's rows). Not here (lightning_prefill's kernels serve them):
+reverse, the sequence split (seg, has_o=False).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import hopper_helpers as sm90
+
+from fla_cula.kernels._dsl import DT as _DT
+from fla_cula.kernels.lightning_prefill import (
+    PAD,
+    _acc_as_a,
+    _decay_v,
+    _mask_decay,
+    _qk_and_qs,
+    _state_init,
+    _state_store,
+    _store_o_rows,
+    _swz,
+    _wgmma,
+    make_span,
+)
+
+WG = 128                  # threads per warpgroup
+NTHR = 3 * WG             # producer, state, output
+REGS_LOAD, REGS_MATH = 24, 240
+BAR_STATE, BAR_OUT = 1, 2  # named barriers of the state and output warpgroups (0 is __syncthreads)
+SMEM_BYTES = 227 * 1024 - 1024   # the SM90 per-block maximum, less the swizzled buffers' alignment gaps
+
+
+def smem_plan(cfg) -> tuple:
+    """(Q/K/V stages, bf16 S_c slots, o slots, bytes): cfg.ws_stages stages (0: the most of 4, 3, 2 that fit); two S_c
+    and two o slots where they fit, else one S_c slot (the state warpgroup then waits for the output warpgroup's
+    Q S_c before publishing the next), else one o slot too (one more named barrier per chunk). ValueError when
+    even that does not fit."""
+    K, BV, C = cfg.K, cfg.bv, cfg.chunk
+    e = 2   # bf16 / fp16
+    stage, s_slot, o_slot = (2 * C * K + C * BV) * e, K * BV * e, C * (BV + (0 if cfg.o_tma else PAD)) * e
+    fixed = C * BV * e + (C + 8) * 4 + 8 * 16   # Vd, the decay table, mbarriers
+    if cfg.ws_stages not in (0, 2, 3, 4):
+        raise ValueError(f"ws_stages {cfg.ws_stages}: expected 0 (the deepest that fits), 2, 3 or 4")
+    for n in (cfg.ws_stages,) if cfg.ws_stages else (4, 3, 2):
+        for ns, no in ((2, 2), (1, 2), (1, 1)):
+            total = n * stage + ns * s_slot + no * o_slot + fixed
+            if total <= SMEM_BYTES:
+                return n, ns, no, total
+    raise ValueError(f"ws_stages {cfg.ws_stages} at K={K} bv={BV}: {cfg.ws_stages} x {stage} B of Q/K/V stages do "
+                     f"not fit the {SMEM_BYTES} B of shared memory")
+
+
+def _layouts(cfg):
+    """The shared-memory layouts (composed: swizzle o outer), in the order each tile is addressed:
+    Q and K (token, kidx, stage) K-major; V (token, v, stage) and Vd (token, v) MN-major; S_c (kidx, v, slot);
+    with o_tma the o slots (token, v, slot), v contiguous in 128-byte-swizzled rows (the TMA store's box)."""
+    K, BV, C = cfg.K, cfg.bv, cfg.chunk
+    DT = _DT[cfg.dtype]
+    NST, NS, NO, _ = smem_plan(cfg)
+    aK = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, DT)
+    aM = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, DT)
+    LQ = cute.tile_to_shape(aK, (C, K, NST), (0, 1, 2))
+    LVt = cute.tile_to_shape(aM, (BV, C, NST), (1, 0, 2))    # (v, token, stage)
+    LVdt = cute.tile_to_shape(aM, (BV, C), (1, 0))
+    LSt = cute.tile_to_shape(aM, (BV, K, NS), (1, 0, 2))     # (v, kidx, slot)
+    LV = cute.make_composed_layout(LVt.inner, 0, cute.select(LVt.outer, mode=[1, 0, 2]))
+    LO = cute.tile_to_shape(aK, (C, BV, NO), (0, 1, 2))
+    return LQ, LVt, LV, LVdt, LSt, LO
+
+
+def _tok_major(m: cute.Tensor):
+    """q/k/v [B, T, H, D] viewed as (T, D, H, B): the TMA box (C tokens, D columns) is mode 0 and 1."""
+    return cute.make_tensor(m.iterator, cute.select(m.layout, mode=[1, 3, 2, 0]))
+
+
+def make_launcher(cfg):
+    """The @cute.jit launcher (lightning_prefill's unsplit signature) and its @cute.kernel."""
+    K, BV, C = cfg.K, cfg.bv, cfg.chunk
+    DT = _DT[cfg.dtype]
+    VP = BV + PAD
+    span = make_span(cfg)
+    KMJ, MNJ = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+    TX = (2 * C * K + C * BV) * (DT.width // 8)   # bytes one stage's three boxes write
+    LD_STAGES, S_SLOTS, O_SLOTS, _ = smem_plan(cfg)
+    OT = cfg.o_tma
+
+    @cute.kernel
+    def kernel(tmaQ: cute.CopyAtom, gQt: cute.Tensor, tmaK: cute.CopyAtom, gKt: cute.Tensor, tmaV: cute.CopyAtom,
+               gVt: cute.Tensor, tmaO: cute.CopyAtom, gOt: cute.Tensor, mQ: cute.Tensor, mG: cute.Tensor,
+               mH0: cute.Tensor, mHt: cute.Tensor, mO: cute.Tensor, mCu: cute.Tensor, scale: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        wg = cute.arch.make_warp_uniform(tidx // WG)
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lt = tidx % WG
+        vb, h, n = cute.arch.block_idx()
+        b, bos, Tn = span(mQ, mCu, n, Int32(0), Int32(1))
+        v0 = vb * BV
+        nch = (Tn + C - 1) // C
+
+        LQ, LVt, LV, LVdt, LSt, LO = _layouts(cfg)
+        smem = cutlass.memory.SmemAllocator()
+        mbar = smem.allocate_array(cutlass.Int64, 2 * LD_STAGES + 2 * S_SLOTS, byte_alignment=8)
+        sQ = _swz(smem, DT, LQ)
+        sK = _swz(smem, DT, LQ)
+        sVt = _swz(smem, DT, LVt)
+        sVdt = _swz(smem, DT, LVdt)
+        sSt = _swz(smem, DT, LSt)
+        if cutlass.const_expr(OT):
+            sO = _swz(smem, DT, LO)
+        else:
+            sO = smem.allocate_tensor(DT, cute.make_layout((C, BV, O_SLOTS), stride=(VP, 1, C * VP)),
+                                      byte_alignment=128)
+        sTab = smem.allocate_tensor(Float32, cute.make_layout((C + 8,)), byte_alignment=16)
+        sKt = cute.make_tensor(sK.iterator, cute.select(LQ.outer, mode=[1, 0, 2]))      # (kidx, token, stage)
+        sV = cute.make_tensor(sVt.iterator, LV.outer)                                     # (token, v, stage)
+        sVd = cute.make_tensor(sVdt.iterator, cute.select(LVdt.outer, mode=[1, 0]))       # (token, v)
+        sS = cute.make_tensor(sSt.iterator, cute.select(LSt.outer, mode=[1, 0, 2]))       # (kidx, v, slot)
+
+        ld = pipeline.PipelineTmaAsync.create(
+            num_stages=LD_STAGES, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8), tx_count=TX,
+            barrier_storage=mbar, defer_sync=True)
+        sp = pipeline.PipelineAsync.create(
+            num_stages=S_SLOTS, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG),
+            barrier_storage=mbar + 2 * LD_STAGES, defer_sync=True)
+
+        gam = Float32(mG[h])
+        if tidx <= C:
+            sTab[tidx] = cute.math.exp(gam * Float32(tidx), fastmath=False)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        if wg == 0:
+            # producer: warp 0 issues each chunk's three boxes on one mbarrier
+            cute.arch.setmaxregister_decrease(REGS_LOAD)
+            if warp == 0:
+                cpasync.prefetch_descriptor(tmaQ)
+                cpasync.prefetch_descriptor(tmaK)
+                cpasync.prefetch_descriptor(tmaV)
+                gQ = cute.local_tile(cute.domain_offset((bos, 0), gQt[None, None, h, b]), (C, K), (None, 0))
+                gK = cute.local_tile(cute.domain_offset((bos, 0), gKt[None, None, h, b]), (C, K), (None, 0))
+                gV = cute.local_tile(cute.domain_offset((bos, 0), gVt[None, None, h, b]), (C, BV), (None, vb))
+                tQs, tQg = cpasync.tma_partition(tmaQ, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                                 cute.group_modes(gQ, 0, 2))
+                tKs, tKg = cpasync.tma_partition(tmaK, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                                 cute.group_modes(gK, 0, 2))
+                tVs, tVg = cpasync.tma_partition(tmaV, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                                 cute.group_modes(gV, 0, 2))
+                pst = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, LD_STAGES)
+                for c in cutlass.range(nch, unroll=1):
+                    ld.producer_acquire(pst)
+                    bar = ld.producer_get_barrier(pst)
+                    cute.copy(tmaQ, tQg[None, c], tQs[None, pst.index], tma_bar_ptr=bar)
+                    cute.copy(tmaK, tKg[None, c], tKs[None, pst.index], tma_bar_ptr=bar)
+                    cute.copy(tmaV, tVg[None, c], tVs[None, pst.index], tma_bar_ptr=bar)
+                    pst.advance()
+
+        if wg == 1:
+            # state: publish bf16(S_c), then S_c+1 = exp(gL) S_c + K^T Vd
+            cute.arch.setmaxregister_increase(REGS_MATH)
+            mma3 = sm90.make_trivial_tiled_mma(DT, DT, MNJ, MNJ, Float32, (1, 1, 1), (64, BV))   # K^T Vd
+            mma3.set(warpgroup.Field.ACCUMULATE, True)
+            t3 = mma3.get_slice(lt)
+            fKt = mma3.make_fragment_A(t3.partition_A(sKt))
+            fVd = mma3.make_fragment_B(t3.partition_B(sVdt))
+            tCsS = t3.partition_C(sS)
+            accS = _state_init(t3, mH0, n, h, vb, K, BV, cfg.has_h0)
+            sst = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S_SLOTS)
+            cst = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, LD_STAGES)
+            for c in cutlass.range(nch, unroll=1):
+                L = cutlass.min(Int32(C), Tn - c * C)
+                sp.producer_acquire(sst)
+                rS = cute.make_fragment_like(accS, DT)
+                rS.store(accS.load().to(DT))
+                cute.autovec_copy(rS, tCsS[None, None, None, sst.index])
+                cute.arch.fence_proxy("async.shared", space="cta")   # st.shared -> the output WG's wgmma
+                sp.producer_commit(sst)
+                sst.advance()
+
+                ld.consumer_wait(cst)
+                st = cst.index
+                cute.arch.barrier(barrier_id=BAR_STATE, number_of_threads=WG)   # last chunk's K^T Vd is done
+                _decay_v(sV[None, None, st], sVd, lt, L, sTab, DT)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=BAR_STATE, number_of_threads=WG)   # Vd visible
+                accS.store(accS.load() * sTab[L])
+                warpgroup.fence()
+                _wgmma(mma3, accS, fKt[None, None, None, st], fVd)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                ld.consumer_release(cst)
+                cst.advance()
+            if cutlass.const_expr(cfg.has_ht):
+                _state_store(t3, accS, mHt, n, h, vb, K, BV)
+
+        if wg == 2:
+            # output: A = Q K^T, O = Q S_c; P = mask/decay(A); O = exp(g(i+1)) O + P V; o rows < L
+            cute.arch.setmaxregister_increase(REGS_MATH)
+            mma1 = sm90.make_trivial_tiled_mma(DT, DT, KMJ, KMJ, Float32, (1, 1, 1), (C, C))     # Q K^T
+            mma2 = sm90.make_trivial_tiled_mma(DT, DT, KMJ, MNJ, Float32, (1, 1, 1), (C, BV))    # Q S_c
+            mmaP = sm90.make_trivial_tiled_mma(DT, DT, KMJ, MNJ, Float32, (1, 1, 1), (C, BV),
+                                               sm90.OperandSource.RMEM)                        # P V
+            for m in (mma1, mma2, mmaP):
+                m.set(warpgroup.Field.ACCUMULATE, True)
+            t1, t2 = mma1.get_slice(lt), mma2.get_slice(lt)
+            fQ1 = mma1.make_fragment_A(t1.partition_A(sQ))
+            fK1 = mma1.make_fragment_B(t1.partition_B(sK))
+            fQ2 = mma2.make_fragment_A(t2.partition_A(sQ))
+            fS = mma2.make_fragment_B(t2.partition_B(sSt))
+            fV = mmaP.make_fragment_B(mmaP.get_slice(lt).partition_B(sVt))
+            tAc = t1.partition_C(cute.make_identity_tensor((C, C)))
+            tOc = t2.partition_C(cute.make_identity_tensor((C, BV)))
+            tCsO = t2.partition_C(sO)
+            if cutlass.const_expr(OT):
+                gO = cute.local_tile(cute.domain_offset((bos, 0), gOt[None, None, h, b]), (C, BV), (None, vb))
+                tOs, tOg = cpasync.tma_partition(tmaO, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                                                 cute.group_modes(gO, 0, 2))
+            cst = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, LD_STAGES)
+            sst = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S_SLOTS)
+            for c in cutlass.range(nch, unroll=1):
+                t0 = c * C
+                L = cutlass.min(Int32(C), Tn - t0)
+                ld.consumer_wait(cst)
+                sp.consumer_wait(sst)
+                st = cst.index
+                accA, accO = _qk_and_qs(mma1, t1, fQ1[None, None, None, st], fK1[None, None, None, st], mma2, t2,
+                                        fQ2[None, None, None, st], fS[None, None, None, sst.index], C, BV)
+                sp.consumer_release(sst)
+                sst.advance()
+                rP = _mask_decay(accA, tAc, sTab, DT)
+                for e in cutlass.range_constexpr(cute.size(accO)):
+                    i, _ = tOc[e]
+                    accO[e] = accO[e] * sTab[i + 1]
+                warpgroup.fence()
+                _wgmma(mmaP, accO, _acc_as_a(rP), fV[None, None, None, st])
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                ld.consumer_release(cst)
+                cst.advance()
+                rO = cute.make_fragment_like(accO, DT)
+                rO.store((accO.load() * scale).to(DT))
+                slot = c % O_SLOTS
+                if cutlass.const_expr(OT):
+                    if warp == 2 * 4:   # the store warp: the TMA store that last read this slot is done
+                        cute.arch.cp_async_bulk_wait_group(O_SLOTS - 1, read=True)
+                    cute.arch.barrier(barrier_id=BAR_OUT, number_of_threads=WG)
+                elif cutlass.const_expr(O_SLOTS == 1):
+                    cute.arch.barrier(barrier_id=BAR_OUT, number_of_threads=WG)   # chunk c - 1's o rows are read
+                cute.autovec_copy(rO, tCsO[None, None, None, slot])
+                if cutlass.const_expr(OT):
+                    cute.arch.fence_proxy("async.shared", space="cta")   # st.shared -> the TMA store
+                cute.arch.barrier(barrier_id=BAR_OUT, number_of_threads=WG)   # the o tile is whole
+                if cutlass.const_expr(OT):
+                    # one box per chunk; TMA clips rows past T. A varlen sequence's tail chunk would write into the
+                    # next sequence's rows: stored row by row instead
+                    if cutlass.const_expr(cfg.varlen):
+                        if t0 + C <= Tn:
+                            if warp == 2 * 4:
+                                cute.copy(tmaO, tOs[None, slot], tOg[None, c])
+                                cute.arch.cp_async_bulk_commit_group()
+                        else:
+                            _store_o_rows(sO[None, None, slot], mO, b, bos, t0, L, h, v0, False, lt, WG)
+                    else:
+                        if warp == 2 * 4:
+                            cute.copy(tmaO, tOs[None, slot], tOg[None, c])
+                            cute.arch.cp_async_bulk_commit_group()
+                else:
+                    _store_o_rows(sO[None, None, slot], mO, b, bos, t0, L, h, v0, False, lt, WG)
+            if cutlass.const_expr(OT):
+                if warp == 2 * 4:
+                    cute.arch.cp_async_bulk_wait_group(0)
+
+    @cute.jit
+    def launch(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mH0: cute.Tensor,
+               mHt: cute.Tensor, mO: cute.Tensor, mCu: cute.Tensor, scale: Float32, stream):
+        LQ, LVt, LV, LVdt, LSt, LO = _layouts(cfg)
+        op = cpasync.CopyBulkTensorTileG2SOp()
+        tmaQ, gQt = cpasync.make_tiled_tma_atom(op, _tok_major(mQ), cute.slice_(LQ, (None, None, 0)), (C, K))
+        tmaK, gKt = cpasync.make_tiled_tma_atom(op, _tok_major(mK), cute.slice_(LQ, (None, None, 0)), (C, K))
+        tmaV, gVt = cpasync.make_tiled_tma_atom(op, _tok_major(mV), cute.slice_(LV, (None, None, 0)), (C, BV))
+        tmaO, gOt = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), _tok_major(mO),
+                                                cute.slice_(LO, (None, None, 0)), (C, BV))
+        if cutlass.const_expr(cfg.varlen):
+            nseq = mCu.shape[0] - 1
+        else:
+            nseq = mQ.shape[0]
+        kernel(tmaQ, gQt, tmaK, gKt, tmaV, gVt, tmaO, gOt, mQ, mG, mH0, mHt, mO, mCu, scale).launch(
+            grid=[cfg.V // BV, mQ.shape[2], nseq], block=[NTHR, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    return launch
