@@ -39,9 +39,8 @@ count, empty past each sequence's end). On by default where the heuristic predic
 set_tuning(split=0 | P) turns it off or forces P.
 
 Static (compile key): dtype (q, k, v, o), K, V, BV, chunk, has_h0 and its dtype, has_ht, varlen and
-cu_seqlens dtype, kv_stages, mma, has_o, seg, reverse, p_regs, o_direct, ws, ws_stages, o_tma. Symbolic: B, T, H, N
-(one compile
-serves every batch, length, head count) and the split's segment length and count.
+cu_seqlens dtype, kv_stages, mma, has_o, seg, reverse, p_regs, o_direct, ws, ws_stages, o_tma. Symbolic: B, T, H,
+N (one compile serves every batch, length, head count) and the split's segment length and count.
 State layout: K-major [N, H, K, V] only (FLA's chunk_lightning_attn never passes state_v_first).
 """
 
@@ -364,6 +363,9 @@ class LightningPrefill:
 
     def jit_fn(self):
         cfg = self.cfg
+        if cfg.ws:
+            from fla_cula.kernels.lightning_prefill_ws import make_launcher
+            return make_launcher(cfg)
         K, BV, C = cfg.K, cfg.bv, cfg.chunk
         DT = _DT[cfg.dtype]
         KP, VP, CP = K + PAD, BV + PAD, C + PAD
@@ -545,9 +547,6 @@ class LightningPrefill:
             if cutlass.const_expr(cfg.has_ht):
                 _state_store(thr_mma, accS, mHt, n, h, vb, K, BV)
 
-        if cfg.ws:
-            from fla_cula.kernels.lightning_prefill_ws import make_launcher
-            return make_launcher(cfg)
         kern = kernel if cfg.mma == "sync" else self._wgmma_kernel()
 
         if cfg.seg:
