@@ -117,7 +117,7 @@ def test_sass_registers_no_spills(cfg, compiled):
     macs = C * C * K + C * BV * K + C * BV * C + K * BV * C if cfg.has_o else K * BV * C   # state pass: K^T Vd
     if cfg.ws:   # m64nNk16 with N = C (Q K^T) or BV: the MACs of the HGMMA in the code, one chunk body per warpgroup
         mma = sum(64 * int(n) * 16 for n in re.findall(r"\bHGMMA\.64x(\d+)x16\.F32", sass))
-        per_chunk = macs
+        per_chunk = macs + (K * BV * C if cfg.seg else 0)   # the fused split's first pass: K^T Vd
     elif cfg.mma == "wgmma":
         mma, per_chunk = len(re.findall(r"\bHGMMA\.64x64x16\.F32", sass)), macs // (64 * 64 * 16)
     else:
@@ -133,7 +133,7 @@ def test_config_key_has_no_sizes():
         assert size not in keys
     assert set(keys) == {"dtype", "K", "V", "bv", "chunk", "has_h0", "h0_dtype", "has_ht", "varlen", "cu_dtype",
                          "kv_stages", "mma", "has_o", "seg", "reverse", "p_regs", "o_direct", "ws", "ws_stages",
-                         "o_tma"}
+                         "o_tma", "persistent"}
     with pytest.raises(ValueError, match="bv=16"):
         lp.LightningPrefillConfig(bv=16)
     with pytest.raises(ValueError, match="bv=32 chunk=64 mma=wgmma"):
@@ -166,9 +166,13 @@ def test_instruction_defaults():
     # (and bv 128 to 64), so a knob set for the unsplit forward leaves the split's and reverse runs' kernels valid
     assert lp.LightningPrefillConfig(kv_stages=1, p_regs=False, o_direct=True).key() == c.key()
     assert lp.LightningPrefillConfig(bv=128, V=64, K=64).bv == 64
-    for kw in ({"seg": True}, {"reverse": True}, {"has_o": False}, {"mma": "sync"}):
+    for kw in ({"reverse": True}, {"has_o": False}, {"mma": "sync"}):
         c = lp.LightningPrefillConfig(bv=128, **kw)
         assert (c.ws, c.bv) == (False, 64), kw
+    # seg with ws: the fused split (one launch, one tile per CTA: never persistent)
+    c = lp.LightningPrefillConfig(bv=128, seg=True, persistent=True)
+    assert (c.ws, c.bv, c.persistent) == (True, 128, False)
+    assert lp.LightningPrefillConfig(seg=True, ws=False).ws is False
     assert lp.LightningPrefillConfig(ws=False, kv_stages=1).kv_stages == 1
     c = lp.LightningPrefillConfig(mma="sync", o_direct=True)
     assert (c.p_regs, c.o_direct, c.kv_stages) == (False, False, 2)
@@ -411,6 +415,17 @@ def test_split_for_knob_and_bounds():
     assert f(None, True, 8192, 8, 8, 128, 128, 64) is None                    # varlen, N > SPLIT_VARLEN_MAX_N
     assert f(None, True, 16384, 1, 16, 128, 128, 64) == (8, 2048)
     assert f(2, False, 2 ** 20, 40000, 1, 128, 128, 64) is None               # grid z > 65535
+    # the fused split (ws): the most segments of >= 4 chunks whose grid fits the 132 SMs, at bv 64
+    assert f(None, False, 8192, 1, 8, 128, 128, 64, True) == (8, 1024)        # 16 CTAs x 8
+    assert f(None, False, 16384, 1, 16, 128, 128, 64, True) == (4, 4096)      # 32 x 4
+    assert f(None, False, 2048, 1, 16, 128, 128, 64, True) == (4, 512)        # 8 chunks per segment
+    assert f(None, False, 8192, 1, 8, 128, 128, 128, True) == (16, 512)       # bv 128: 8 CTAs x 16
+    assert f(None, False, 16384, 1, 64, 128, 128, 64, True) is None           # 128 CTAs fill the GPU
+    assert f(None, False, 16384, 1, 48, 128, 128, 64, True) is None           # 96 CTAs: two would not fit
+    assert f(None, False, 448, 1, 8, 128, 128, 64, True) is None              # 7 chunks: segments < 4 chunks
+    assert f(None, False, 512, 1, 8, 128, 128, 64, True) == (2, 256)
+    assert f(None, True, 8192, 8, 8, 128, 128, 64, True) is None              # varlen, N > SPLIT_VARLEN_MAX_N
+    assert f(3, False, 1000, 2, 4, 128, 128, 64, True) == (3, 384)            # forced: as the three-launch split
 
 
 def test_split_tuning_knob(monkeypatch):
@@ -467,6 +482,34 @@ def _fake_kernels(monkeypatch):
 
     calls = []
 
+    def fused(q, k, v, g, h0, ht, o, cu, X, flags, scale, seg_len, nseg):
+        """The fused split as the ws kernel computes it: segment p's local state X[z] from zero, then its initial
+        state by Horner over the earlier segments' X (exp of the fp32 product g seg_len), then its o."""
+        calls.append(("fused", tuple(X.shape), tuple(flags.shape), seg_len, nseg))
+        N = k.shape[0] if cu is None else cu.numel() - 1
+        Tt, H = k.shape[1], k.shape[2]
+        assert flags.shape == (1 + N * nseg * H * (v.shape[3] // 64),) and not flags.any()
+        for n in range(N):
+            b, bos, Ln = n, 0, Tt
+            if cu is not None:
+                s0 = max(min(int(cu[n]), Tt), 0)
+                b, bos, Ln = 0, s0, max(min(int(cu[n + 1]), Tt), s0) - s0
+            S = h0[n].float().clone() if h0 is not None else torch.zeros(H, k.shape[3], v.shape[3])
+            for p in range(nseg):
+                a = min(p * seg_len, Ln)
+                e = min(a + seg_len, Ln)
+                if e == a and p > 0:
+                    break
+                sl = slice(bos + a, bos + e)
+                if e > a:
+                    oo, Sn = _chunk_model(q[b, sl], k[b, sl], v[b, sl], g, scale, S)
+                    o[b, sl] = oo.to(o.dtype)
+                    X[n * nseg + p] = _chunk_model(k[b, sl], k[b, sl], v[b, sl], g, scale, None)[1]
+                    S = S * torch.exp(g.float() * torch.tensor(float(seg_len)))[:, None, None] + X[n * nseg + p] \
+                        if e < Ln else Sn
+                if ht is not None and e == Ln:
+                    ht[n] = S
+
     def combine(X, g, h0, ht, cu, Tt, seg_len, nseg, nseq):
         calls.append((tuple(X.shape), seg_len, nseg, nseq))
         for n in range(nseq):
@@ -483,16 +526,18 @@ def _fake_kernels(monkeypatch):
             if ht is not None:
                 ht[n] = S
 
-    monkeypatch.setattr(lp.TUNING, "get", lambda name, cfg: main(cfg))
+    monkeypatch.setattr(lp.TUNING, "get", lambda name, cfg: fused if cfg.ws and cfg.seg else main(cfg))
     monkeypatch.setattr(lp, "get_combine", lambda cfg: combine)
     monkeypatch.setattr(lp, "launch", lambda fn, dev, *a: fn(*a))
     return calls
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "three-launch"])
 @pytest.mark.parametrize("case", ["fixed-h0-ht", "fixed-noh0-noht", "fixed-h0bf16-B2", "varlen-h0", "varlen-empty"])
-def test_split_host_path_cpu(case, monkeypatch):
+def test_split_host_path_cpu(case, fused, monkeypatch):
     """The split's host path end to end on the CPU with stand-in kernels (same arguments as the compiled ones):
-    forced split=3 against the unsplit path (same stand-ins) and against the fp64 recurrence."""
+    forced split=3 against the unsplit path (same stand-ins) and against the fp64 recurrence. fused: the ws
+    kernel's one-launch split (the default); else ws=False, the three launches (pass 1, combine, pass 2)."""
     calls = _fake_kernels(monkeypatch)
     torch.manual_seed(len(case))
     H, K = 3, 64
@@ -507,10 +552,15 @@ def test_split_host_path_cpu(case, monkeypatch):
     ht_on = "noht" not in case
     args = (q, k, v, g, K ** -0.5, h0, ht_on, cu)
     try:
-        lp.set_tuning(split=3)
+        knobs = {} if fused else {"ws": False}
+        lp.set_tuning(split=3, **knobs)
         o, ht = lp.run(*args)
-        assert len(calls) == 1 and calls[0][0] == (N * calls[0][2], H, K * K)    # the split ran, X [N nseg, H, KV]
-        lp.set_tuning(split=0)
+        assert len(calls) == 1      # the split ran: X [N nseg, H, K V] (combine), [N nseg, H, K, V] (fused)
+        if fused:
+            assert calls[0][0] == "fused" and calls[0][1] == (N * calls[0][4], H, K, K)
+        else:
+            assert calls[0][0] == (N * calls[0][2], H, K * K)
+        lp.set_tuning(split=0, **knobs)
         uo, uht = lp.run(*args)
     finally:
         lp.set_tuning()
@@ -537,6 +587,8 @@ def test_small_grid_reason():
     assert r is not None and "16 CTAs" in r and "< 128" in r
     assert lp.small_grid_reason(q, v, None, None, 64) is None            # the heuristic splits it
     assert lp.small_grid_reason(q, v, None, 8, 64) is None               # a forced split
+    assert lp.small_grid_reason(q, v, None, None, 64, True) is None      # the fused split serves it
+    assert lp.small_grid_reason(*qv(1, 16384, 48), None, None, 64, True) is not None   # 96 CTAs: no fused split
     assert lp.small_grid_reason(*qv(1, 16384, 64), None, 0, 64) is None  # 128 CTAs
     assert lp.small_grid_reason(*qv(2, 8192, 64), None, 0, 64) is None
     cu = torch.empty(5, dtype=torch.int32, device="meta")                # varlen: N = 4 sequences
@@ -560,17 +612,19 @@ def test_routed_plan_sends_small_grids_to_fla(monkeypatch):
     from fla_cula.ops.chunk_autograd import LightningChunkConfig
     monkeypatch.setattr(lp.TUNING, "get", lambda name, cfg: (lambda *a: None))
     cfg = LightningChunkConfig(scale=128 ** -0.5, output_final_state=True, chunk_size=64)
-    small, short, big = _args(B=1, T=8192, H=8), _args(B=1, T=512, H=8), _args(B=2, T=8192, H=64)
+    small, short, big = _args(B=1, T=8192, H=8), _args(B=1, T=448, H=8), _args(B=2, T=8192, H=64)
 
     def reason(x):
         r, fwd = lp.plan_chunk(x["q"], x["k"], x["v"], x["g_gamma"], None, None, cfg)
         assert r is None
         return fwd.size_reason(x["q"], x["k"], x["v"], x["g_gamma"], None, None, cfg)
     assert reason(small) is None                      # the default heuristic splits it (16 CTAs, 128 chunks)
-    assert "16 CTAs" in reason(short)                 # 8 chunks: too short to split
+    assert "16 CTAs" in reason(short)                 # 7 chunks: too short to split (segments >= 4 chunks)
     assert reason(big) is None
     try:
         lp.set_tuning(split=0)
         assert "16 CTAs" in reason(small)             # split off: FLA
+        lp.set_tuning(ws=False)
+        assert "16 CTAs" in reason(_args(B=1, T=512, H=8))   # the three-launch split needs segments of 8 chunks
     finally:
         lp.set_tuning()

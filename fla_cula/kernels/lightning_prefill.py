@@ -31,7 +31,10 @@ mma="wgmma" runs the schedule above with warpgroup MMAs from 128-byte-swizzled s
 issued a whole chunk ahead (kv_stages=2). mma="sync" is v1; kv_stages=2 double-buffers K and V there.
 
 Sequence split (grids that cannot fill the GPU: B*H small, T long; docs/lightning_prefill.md "Sequence
-split"): split_segments() picks P segments per sequence from host-known sizes; pass 1 (has_o=False, seg=True)
+split", "v4"). Where ws serves the call it is fused into one launch of the ws kernel (seg=True: each segment's
+local state, the combine and its output in one CTA; _split_for(..., fused=True) picks the most segments whose grid
+fits the SMs). Otherwise (reverse runs, ws=False): split_segments() picks P segments per sequence from host-known
+sizes; pass 1 (has_o=False, seg=True)
 computes every segment's local state from zero, LightningCombine turns them in place into each segment's
 initial state (and the final state): S_in(p+1) = exp(g L_p) S_in(p) + S_loc(p), exact; pass 2 (seg=True)
 writes o from those states. Three launches, no host sync (varlen too: segment slots bounded by the token
@@ -39,8 +42,8 @@ count, empty past each sequence's end). On by default where the heuristic predic
 set_tuning(split=0 | P) turns it off or forces P.
 
 Static (compile key): dtype (q, k, v, o), K, V, BV, chunk, has_h0 and its dtype, has_ht, varlen and
-cu_seqlens dtype, kv_stages, mma, has_o, seg, reverse, p_regs, o_direct, ws, ws_stages, o_tma. Symbolic: B, T, H,
-N (one compile serves every batch, length, head count) and the split's segment length and count.
+cu_seqlens dtype, kv_stages, mma, has_o, seg, reverse, p_regs, o_direct, ws, ws_stages, o_tma, persistent.
+Symbolic: B, T, H, N (one compile serves every batch, length, head count) and the split's segment length and count.
 State layout: K-major [N, H, K, V] only (FLA's chunk_lightning_attn never passes state_v_first).
 """
 
@@ -103,7 +106,9 @@ class LightningPrefillConfig:
     has_o: bool = True
     # True: a segmented launch (the sequence split): CTA z of the grid runs segment p = z % nseg of sequence
     # n = z // nseg, tokens [p * seg_len, (p + 1) * seg_len) of it (runtime scalars seg_len, nseg; empty past
-    # the sequence's end); h0 / final state are indexed by the segment z.
+    # the sequence's end). With ws off (the three-launch split's passes) h0 / final state are indexed by the segment
+    # z; with ws on it is the fused split (lightning_prefill_ws: one launch, the combine in the kernel; h0 / final
+    # state per sequence, as unsplit).
     seg: bool = False
     # True: each sequence (or segment of the split) runs last token to first, FLA's reverse=True:
     # S_t = exp(g) S_{t+1} + k_t v_t^T, o_t = scale S_t^T q_t, final_state = S_0. Only the token rows the
@@ -118,7 +123,8 @@ class LightningPrefillConfig:
     o_direct: bool = False
     # warp-specialized kernel (lightning_prefill_ws): a TMA producer, a state warpgroup and an output warpgroup per
     # CTA, one CTA per SM; bv 64 or 128 (one CTA per (n, h) at V = 128; plan() picks it per call, WS_BV128_CTAS).
-    # Unsplit forward runs only: seg, has_o=False, reverse and mma.sync normalize it off (and bv 128 to 64); it
+    # Forward runs only: has_o=False, reverse and mma.sync normalize it off (and bv 128 to 64); with seg it is the
+    # fused split (persistent off; H200, session 17: B1 T8192 H8 0.065 -> 0.048 ms, B1 T2048 H16 0.042 -> 0.031); it
     # normalizes kv_stages, p_regs and o_direct (the knobs of the one-warpgroup kernel) to their defaults. The
     # default: H200, graph replay, bf16, h0 + ht (docs/lightning_prefill.md, session 16): B2 T8192 H64 0.361 ->
     # 0.303 ms (bv 128), B1 T16384 H64 0.438 -> 0.349 (bv 64), B8 T4096 0.737 -> 0.643, B16 T2048 0.770 -> 0.659.
@@ -131,6 +137,9 @@ class LightningPrefillConfig:
     # ws only: each chunk's o tile leaves shared memory as one TMA store (the store warp waits only before reusing
     # the slot); False: 16-byte rows by the output warpgroup's threads. Off when ws is off.
     o_tma: bool = True
+    # ws only: a persistent grid, min(tiles, SMs) CTAs each looping over (bv block, head, sequence) tiles, so one
+    # tile's first loads overlap the last one's final chunks and state store. Off when ws is off.
+    persistent: bool = False
 
     def __post_init__(self):
         if self.kv_stages not in (1, 2):
@@ -140,9 +149,11 @@ class LightningPrefillConfig:
         if self.mma == "sync":
             object.__setattr__(self, "p_regs", False)
             object.__setattr__(self, "o_direct", False)
-        if self.ws and (self.seg or self.reverse or self.mma != "wgmma"):
+        if self.ws and (self.reverse or self.mma != "wgmma" or not self.has_o):
             object.__setattr__(self, "ws", False)
             object.__setattr__(self, "bv", min(self.bv, 64))
+        if self.ws and self.seg:
+            object.__setattr__(self, "persistent", False)
         if self.ws:
             object.__setattr__(self, "bv", min(self.bv, self.V))
             for f, d in (("p_regs", True), ("o_direct", False), ("kv_stages", 2)):
@@ -150,6 +161,7 @@ class LightningPrefillConfig:
         else:
             object.__setattr__(self, "ws_stages", 0)
             object.__setattr__(self, "o_tma", False)
+            object.__setattr__(self, "persistent", False)
         if not self.has_o and not self.has_ht:
             raise ValueError("has_o=False needs has_ht=True (the state pass writes only the final state)")
         if self.dtype not in ("bfloat16", "float16"):
@@ -778,7 +790,13 @@ class LightningPrefill:
         if not c.has_o:
             q = o = None
         seg = (Int32(0), Int32(1)) if c.seg else ()
-        return (q, k, v, g, h0, ht, o, cu, Float32(1.0), *seg, make_fake_stream(use_tvm_ffi_env_stream=True))
+        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+        if c.ws and c.seg:   # the fused split: local states X [N nseg, H, K, V] fp32, flags [1 + tiles] int32
+            X = make_fake_compact_tensor(Float32, (cute.sym_int32(), H, K, V), stride_order=so, assumed_align=16)
+            flags = make_fake_compact_tensor(Int32, (cute.sym_int32(),), assumed_align=4)
+            return (q, k, v, g, h0, ht, o, cu, X, flags, Float32(1.0), *seg, stream)
+        nsm = (Int32(132),) if c.ws else ()   # the ws launcher's SM count (its persistent grid)
+        return (q, k, v, g, h0, ht, o, cu, Float32(1.0), *seg, *nsm, stream)
 
     def expect_ptx(self):
         store = r"st\.global(\.\w+)*\.b32" if self.cfg.o_direct else r"st\.global(\.\w+)*\.v4\.b32"  # o pairs / rows
@@ -825,6 +843,7 @@ def representative_configs() -> list:
         P(K=64, V=64, has_h0=True, h0_dtype="float16", has_ht=True),
         P(has_h0=True, has_ht=True, bv=128, o_tma=False, varlen=True),   # o rows by the threads
         P(has_h0=True, has_ht=True, ws_stages=2),
+        P(has_h0=True, has_ht=True, bv=128, persistent=True), P(dtype="float16", varlen=True, persistent=True),
         # one warpgroup
         P(has_h0=True, has_ht=True, mma="sync", kv_stages=1),
         P(dtype="float16", varlen=True, has_h0=False, has_ht=True, mma="sync", kv_stages=1),
@@ -843,7 +862,11 @@ def representative_configs() -> list:
         P(K=64, V=64, has_o=False, has_ht=True, seg=True, kv_stages=2),
         P(has_h0=True, has_ht=False, seg=True, mma="sync", kv_stages=1),
         P(has_h0=True, has_ht=False, seg=True, varlen=True, mma="sync", kv_stages=1),
-        P(has_h0=True, has_ht=False, seg=True),
+        W(has_h0=True, has_ht=False, seg=True),
+        # the fused split (the ws kernel, seg: one launch): bv 64 (the default) and 128, varlen, K = V = 64
+        P(has_h0=True, has_ht=True, seg=True),
+        P(dtype="float16", has_h0=False, has_ht=True, seg=True, varlen=True, cu_dtype="int64", bv=128),
+        P(K=64, V=64, has_h0=True, h0_dtype="bfloat16", has_ht=False, seg=True),
         # reversed runs (the backward's dk and dv runs), unsplit and split
         P(has_h0=True, has_ht=True, reverse=True),
         P(has_o=False, has_ht=True, seg=True, kv_stages=2, varlen=True, reverse=True),
@@ -1042,6 +1065,7 @@ SPLIT_GAIN = 0.9           # split only when the model predicts < 0.9 of the uns
 SPLIT_MIN_SAVING = 4.0     # ... and saves >= 4 units (17 us): short calls stay on one launch
 SPLIT_MIN_CHUNKS = 8       # automatic segments hold >= 8 chunks (512 tokens)
 SPLIT_MAX_SEGMENTS = 64
+SPLIT_FUSED_MIN_CHUNKS = 4  # the fused split (ws): segments hold >= 4 chunks (256 tokens)
 SPLIT_VARLEN_MAX_N = 4     # varlen: the segment count per sequence is bounded by the total tokens (lengths are
                            # on the device), so N sequences launch N x that many segments, mostly empty
 
@@ -1081,9 +1105,12 @@ def split_segments(ctas_per_seq: int, nseq: int, nch: int, state_bytes: int, cta
     return best
 
 
-def _split_for(knob, varlen: bool, T: int, N: int, H: int, K: int, V: int, bv: int) -> tuple | None:
+def _split_for(knob, varlen: bool, T: int, N: int, H: int, K: int, V: int, bv: int, fused: bool = False
+               ) -> tuple | None:
     """(nseg, seg_len in tokens) for a call, or None (no split). T = q.shape[1]: each sequence's length, or
-    (varlen) the token count, which bounds every sequence's length (its lengths stay on the device)."""
+    (varlen) the token count, which bounds every sequence's length (its lengths stay on the device).
+    fused: the warp-specialized kernel's one-launch split (every CTA of it on its own SM): the most segments whose
+    grid fits the SMs, each >= SPLIT_FUSED_MIN_CHUNKS chunks; else the three-launch split's cost model."""
     if knob is not None and knob <= 1:
         return None
     C = 64
@@ -1091,7 +1118,11 @@ def _split_for(knob, varlen: bool, T: int, N: int, H: int, K: int, V: int, bv: i
     if knob is None:
         if varlen and N > SPLIT_VARLEN_MAX_N:
             return None
-        p, ls = split_segments(V // bv * H, N, nch, H * K * V * 4, 3 if bv == 32 else 2)
+        if fused:
+            p = min(SMS // (V // bv * H * N), nch // SPLIT_FUSED_MIN_CHUNKS, SPLIT_MAX_SEGMENTS)
+            ls = -(-nch // max(p, 1))
+        else:
+            p, ls = split_segments(V // bv * H, N, nch, H * K * V * 4, 3 if bv == 32 else 2)
         if p <= 1:
             return None
     else:
@@ -1101,6 +1132,18 @@ def _split_for(knob, varlen: bool, T: int, N: int, H: int, K: int, V: int, bv: i
     if nseg <= 1 or N * nseg > 65535 or N * nseg * H * K * V >= I31:
         return None
     return nseg, seg_len
+
+
+def _run_fused_split(fn, dev, q, k, v, g_gamma, scale, h0, cu, N, has_ht, bv, nseg, seg_len):
+    """The fused split (the ws kernel with seg=True): one launch; X (N * nseg local states) and the flags (a ticket
+    counter and one flag per tile, zeroed here) are its scratch; no host sync."""
+    H, K, V = q.shape[2], q.shape[3], v.shape[3]
+    X = torch.empty((N * nseg, H, K, V), dtype=torch.float32, device=dev)
+    flags = torch.zeros(1 + N * nseg * H * (V // bv), dtype=torch.int32, device=dev)
+    o = torch.empty(v.shape, dtype=q.dtype, device=dev)
+    ht = torch.empty((N, H, K, V), dtype=torch.float32, device=dev) if has_ht else None
+    launch(fn, dev, q, k, v, g_gamma, h0, ht, o, cu, X, flags, float(scale), seg_len, nseg)
+    return o, ht
 
 
 def _run_split(fns, dev, q, k, v, g_gamma, scale, h0, cu, N, has_ht, nseg, seg_len):
@@ -1225,6 +1268,11 @@ def check_sizes(q, k, v, initial_state, cu_seqlens) -> str | None:
     return None
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def plan(q, k, v, g_gamma, scale, initial_state, output_final_state, cu_seqlens, reverse=False):
     """check_static(), then the compiled kernel for this size-free signature: (reason, None), or (None, go)
     where go(args) runs any call whose arguments have the same signature and pass check_sizes()
@@ -1247,6 +1295,9 @@ def plan(q, k, v, g_gamma, scale, initial_state, output_final_state, cu_seqlens,
     knobs = TUNING.knobs("lightning_prefill")
     tuned = replace(cfg, **knobs)
     bv = min(tuned.bv, 64)
+    # the fused split (one launch of the ws kernel) where ws serves the call, else the three-launch split
+    fused = tuned.ws
+    fbv = tuned.bv if "bv" in knobs else WS_SPLIT_BV
     # the unsplit kernels, compiled now (not on a first call that may be under graph capture): the warp-specialized
     # one at bv 128 and 64 (unsplit() picks per call), or the one build a bv knob or ws=False asks for
     pick = not ("bv" in knobs or not tuned.ws or V < 128)
@@ -1261,14 +1312,18 @@ def plan(q, k, v, g_gamma, scale, initial_state, output_final_state, cu_seqlens,
         return unsplit_fns[128 if N * H >= WS_BV128_CTAS else 64]
 
     def fns():
+        if fused:
+            if not split_fns:
+                split_fns.append(get_kernel(replace(cfg, seg=True, bv=fbv)))
+            return split_fns[0]
         if not split_fns:
             ccfg = CombineConfig(K=K, V=V, has_h0=cfg.has_h0, h0_dtype=cfg.h0_dtype, has_ht=has_ht,
                                  varlen=cfg.varlen, cu_dtype=cfg.cu_dtype)
             split_fns.extend((
                 get_kernel(replace(cfg, has_o=False, has_h0=False, h0_dtype="float32", has_ht=True, seg=True,
-                                   kv_stages=2)),
+                                   kv_stages=2, ws=False)),
                 get_combine(ccfg),
-                get_kernel(replace(cfg, has_h0=True, h0_dtype="float32", has_ht=False, seg=True))))
+                get_kernel(replace(cfg, has_h0=True, h0_dtype="float32", has_ht=False, seg=True, ws=False))))
         return split_fns
 
     def go(args):
@@ -1276,15 +1331,20 @@ def plan(q, k, v, g_gamma, scale, initial_state, output_final_state, cu_seqlens,
         q, k, v, g_gamma, scale, h0, _, cu = args
         N = q.shape[0] if cu is None else cu.shape[0] - 1
         if split_knob != 0:
-            sp = _split_for(split_knob, cu is not None, q.shape[1], N, q.shape[2], K, V, bv)
+            sp = _split_for(split_knob, cu is not None, q.shape[1], N, q.shape[2], K, V, go.bv, fused)
+            if sp is not None and fused:
+                return _run_fused_split(fns(), dev, q, k, v, g_gamma, scale, h0, cu, N, has_ht, fbv, *sp)
             if sp is not None:
                 return _run_split(fns, dev, q, k, v, g_gamma, scale, h0, cu, N, has_ht, *sp)
         o = torch.empty(v.shape, dtype=q.dtype, device=dev)
         ht = torch.empty((N, q.shape[2], K, V), dtype=torch.float32, device=dev) if has_ht else None
-        launch(unsplit(N, q.shape[2]), dev, q, k, v, g_gamma, h0, ht, o, cu, float(scale))
+        # the ws launcher's SM count: the persistent grid's size (a one-tile-per-CTA grid ignores it)
+        nsm = ((_sm_count(dev.index) if tuned.persistent else 0),) if tuned.ws else ()
+        launch(unsplit(N, q.shape[2]), dev, q, k, v, g_gamma, h0, ht, o, cu, float(scale), *nsm)
         return o, ht
 
-    go.split_knob, go.bv = split_knob, bv   # what this plan splits with (plan_chunk's small-grid check)
+    # what this plan splits with (plan_chunk's small-grid check)
+    go.split_knob, go.bv, go.fused = split_knob, fbv if fused else bv, fused
     return None, go
 
 
@@ -1301,7 +1361,8 @@ def plan_chunk(q, k, v, g_gamma, initial_state, cu_seqlens, cfg):
         return go((q, k, v, g_gamma, cfg.scale, initial_state, cfg.output_final_state, cu_seqlens))
 
     fwd.size_reason = lambda q, k, v, g_gamma, h0, cu, cfg: (check_sizes(q, k, v, h0, cu) or
-                                                             small_grid_reason(q, v, cu, go.split_knob, go.bv))
+                                                             small_grid_reason(q, v, cu, go.split_knob, go.bv,
+                                                                               go.fused))
     fwd.run = run   # any signature, for chunk_autograd.lightning_bwd_by_forward's three runs
     return None, fwd
 
@@ -1310,6 +1371,9 @@ def plan_chunk(q, k, v, g_gamma, initial_state, cu_seqlens, cfg):
 # session 16, graph replay: 64 (n, h) pairs (B1 T16384 H64) 0.547 ms at bv 128 vs 0.349 at bv 64; 128 pairs (B2 T8192
 # H64) 0.303 vs 0.353.
 WS_BV128_CTAS = 128
+# The fused split's value-column block: bv 64 gives each (n, h) two CTAs, so each CTA's serial state chain is half as
+# long and a segment reads half the bytes of earlier segments' local states as bv 128 would.
+WS_SPLIT_BV = 64
 
 # Below MIN_CTAS CTAs (N * H * V / bv) the kernel is slower than FLA unless the sequence split serves the call:
 # H200, session 9, graph replay, wgmma, bf16 (docs/lightning_prefill.md): 128 CTAs (B1 T16384 H64) 1.21x FLA;
@@ -1319,7 +1383,7 @@ WS_BV128_CTAS = 128
 MIN_CTAS = 128
 
 
-def small_grid_reason(q, v, cu_seqlens, split_knob, bv: int) -> str | None:
+def small_grid_reason(q, v, cu_seqlens, split_knob, bv: int, fused: bool = False) -> str | None:
     """Why a routed call goes to FLA because its grid is too small for this kernel, or None (always None under
     FLA_CULA_FORCE=1)."""
     if routing.force():
@@ -1327,7 +1391,8 @@ def small_grid_reason(q, v, cu_seqlens, split_knob, bv: int) -> str | None:
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     ctas = N * H * (v.shape[3] // bv)
-    if ctas >= MIN_CTAS or _split_for(split_knob, cu_seqlens is not None, T, N, H, K, v.shape[3], bv) is not None:
+    if ctas >= MIN_CTAS or _split_for(split_knob, cu_seqlens is not None, T, N, H, K, v.shape[3], bv,
+                                                   fused) is not None:
         return None
     return (f"grid of {ctas} CTAs (sequences x heads x V/{bv}) < {MIN_CTAS}: FLA is faster on grids this small "
             f"(measured 0.39-0.58x at 16-32 CTAs) and the sequence split does not pay at this length")

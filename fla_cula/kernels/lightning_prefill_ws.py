@@ -25,7 +25,17 @@ Tails and varlen: a chunk's TMA box starts at the sequence's token bos + 64 c. R
 sequence's tokens or zero (TMA fills past the tensor's end): finite. P_ij = 0 for j > i and Vd_j = 0 for j >= L
 remove them from every sum; only rows i < L are stored (TMA clips a box at T; a varlen sequence's tail chunk goes
 out row by row, its box would overwrite the next sequence's rows). Not here (lightning_prefill's kernels serve them):
-reverse, the sequence split (seg, has_o=False).
+reverse runs, the three-launch split's state pass (has_o=False).
+
+The fused sequence split (cfg.seg): one launch, one CTA per tile (BV block, head, segment p of sequence n), segments of
+seg_len tokens (a multiple of C). The recurrence is linear, so with X_p the local state of segment p (from zero) and
+d = exp(g seg_len), segment p starts from S_in(p) = d S_in(p-1) + X_(p-1), S_in(0) = h0. A CTA whose segment has more
+tokens after it first runs the state warpgroup alone over the segment's K, V (the producer loads no Q; the output
+warpgroup releases those stages unread), stores X_p (fp32) to mX and sets its flag (release). Then every CTA waits for
+the flags of its earlier segments (acquire), sums S_in(p) by that recurrence in registers, and runs the loop above
+from it; the sequence's last segment writes the final state. A CTA takes its tile from a ticket (an atomic counter in
+mFlag[0]) in the order CTAs start, so the segments it waits for belong to CTAs already running: no deadlock whatever
+the grid size. The host zeroes mFlag per call.
 """
 
 import cutlass
@@ -35,6 +45,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import hopper_helpers as sm90
 
 from fla_cula.kernels._dsl import DT as _DT
+from fla_cula.kernels._dsl import make_seq_span
 from fla_cula.kernels.lightning_prefill import (
     PAD,
     _acc_as_a,
@@ -46,7 +57,6 @@ from fla_cula.kernels.lightning_prefill import (
     _store_o_rows,
     _swz,
     _wgmma,
-    make_span,
 )
 
 WG = 128                  # threads per warpgroup
@@ -99,29 +109,78 @@ def _tok_major(m: cute.Tensor):
     return cute.make_tensor(m.iterator, cute.select(m.layout, mode=[1, 3, 2, 0]))
 
 
+def _state_step(ld, cst, mma3, accS, fKt, fVd, sV, sVd, lt, L, tab, DT):
+    """The state warpgroup's chunk at ring stage cst (waited for, then released): S = exp(gL) S + K^T Vd. The first
+    barrier: the last chunk's K^T Vd is done reading Vd (and, first chunk of a tile, the decays are written); the
+    second: Vd is whole."""
+    ld.consumer_wait(cst)
+    st = cst.index
+    cute.arch.barrier(barrier_id=BAR_STATE, number_of_threads=WG)
+    _decay_v(sV[None, None, st], sVd, lt, L, tab, DT)
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier(barrier_id=BAR_STATE, number_of_threads=WG)
+    accS.store(accS.load() * tab[L])
+    warpgroup.fence()
+    _wgmma(mma3, accS, fKt[None, None, None, st], fVd)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
+    ld.consumer_release(cst)
+
+
+def make_tile(cfg):
+    """tile(mQ, mCu, t, H, seg_len, nseg) -> (vb, h, n, z, b, bos, Tn, more): tile t = (z H + h) NVB + vb is
+    BV-column block vb of head h of sequence n = z (z = n nseg + p with cfg.seg: segment p of sequence n, logical
+    tokens [min(p seg_len, L_n), min((p + 1) seg_len, L_n))); its tokens are rows bos .. bos + Tn - 1 of batch row
+    b, and `more` tokens of the sequence follow them (0 without cfg.seg)."""
+    seq_span = make_seq_span(cfg)
+    NVB = cfg.V // cfg.bv
+
+    @cute.jit
+    def tile(mQ: cute.Tensor, mCu: cute.Tensor, t, H, seg_len, nseg):
+        vb, h, z = t % NVB, t // NVB % H, t // NVB // H
+        n = z
+        if cutlass.const_expr(cfg.seg):
+            n = z // nseg
+        b, bos, Tn = seq_span(mQ, mCu, n)
+        more = Int32(0)
+        if cutlass.const_expr(cfg.seg):
+            s0 = cutlass.min((z - n * nseg) * seg_len, Tn)
+            bos = bos + s0
+            more = Tn - s0
+            Tn = cutlass.min(seg_len, more)
+            more = more - Tn
+        return vb, h, n, z, b, bos, Tn, more
+
+    return tile
+
+
 def make_launcher(cfg):
-    """The @cute.jit launcher (lightning_prefill's unsplit signature) and its @cute.kernel."""
+    """The @cute.jit launcher and its @cute.kernel: lightning_prefill's unsplit signature plus the SM count nsm (the
+    persistent grid's size), or with cfg.seg the fused sequence split's (X, flags, seg_len, nseg; see the module
+    docstring)."""
     K, BV, C = cfg.K, cfg.bv, cfg.chunk
     DT = _DT[cfg.dtype]
     VP = BV + PAD
-    span = make_span(cfg)
+    tile = make_tile(cfg)
     KMJ, MNJ = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
-    TX = (2 * C * K + C * BV) * (DT.width // 8)   # bytes one stage's three boxes write
+    E = DT.width // 8
+    TX, TX_KV = (2 * C * K + C * BV) * E, (C * K + C * BV) * E   # bytes a stage's boxes write: Q, K, V / K, V
     LD_STAGES, S_SLOTS, O_SLOTS, _ = smem_plan(cfg)
-    OT = cfg.o_tma
+    OT, SEG = cfg.o_tma, cfg.seg
+    NVB = cfg.V // BV
 
     @cute.kernel
     def kernel(tmaQ: cute.CopyAtom, gQt: cute.Tensor, tmaK: cute.CopyAtom, gKt: cute.Tensor, tmaV: cute.CopyAtom,
                gVt: cute.Tensor, tmaO: cute.CopyAtom, gOt: cute.Tensor, mQ: cute.Tensor, mG: cute.Tensor,
-               mH0: cute.Tensor, mHt: cute.Tensor, mO: cute.Tensor, mCu: cute.Tensor, scale: Float32):
+               mH0: cute.Tensor, mHt: cute.Tensor, mO: cute.Tensor, mCu: cute.Tensor, mX: cute.Tensor,
+               mFlag: cute.Tensor, scale: Float32, ntiles: Int32, seg_len: Int32, nseg: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         wg = cute.arch.make_warp_uniform(tidx // WG)
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lt = tidx % WG
-        vb, h, n = cute.arch.block_idx()
-        b, bos, Tn = span(mQ, mCu, n, Int32(0), Int32(1))
-        v0 = vb * BV
-        nch = (Tn + C - 1) // C
+        bid, _, _ = cute.arch.block_idx()
+        nctas, _, _ = cute.arch.grid_dim()
+        H = mQ.shape[2]
 
         LQ, LVt, LV, LVdt, LSt, LO = _layouts(cfg)
         smem = cutlass.memory.SmemAllocator()
@@ -136,7 +195,7 @@ def make_launcher(cfg):
         else:
             sO = smem.allocate_tensor(DT, cute.make_layout((C, BV, O_SLOTS), stride=(VP, 1, C * VP)),
                                       byte_alignment=128)
-        sTab = smem.allocate_tensor(Float32, cute.make_layout((C + 8,)), byte_alignment=16)
+        sTab = smem.allocate_tensor(Float32, cute.make_layout((2, C + 8), stride=(C + 8, 1)), byte_alignment=16)
         sKt = cute.make_tensor(sK.iterator, cute.select(LQ.outer, mode=[1, 0, 2]))      # (kidx, token, stage)
         sV = cute.make_tensor(sVt.iterator, LV.outer)                                     # (token, v, stage)
         sVd = cute.make_tensor(sVdt.iterator, cute.select(LVdt.outer, mode=[1, 0]))       # (token, v)
@@ -150,37 +209,55 @@ def make_launcher(cfg):
             num_stages=S_SLOTS, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG),
             barrier_storage=mbar + 2 * LD_STAGES, defer_sync=True)
-
-        gam = Float32(mG[h])
-        if tidx <= C:
-            sTab[tidx] = cute.math.exp(gam * Float32(tidx), fastmath=False)
+        # tiles t = t0, t0 + step, ... < ntiles; the rings' states run on across tiles. One tile per CTA (t0 = bid)
+        # unless persistent (step = the grid). The fused split numbers its tiles in the order CTAs start (a ticket
+        # from mFlag[0]), so every segment a tile waits for belongs to a CTA already running: no deadlock, whatever
+        # the grid's size or the other work on the GPU.
+        t0, step = bid, nctas
+        if cutlass.const_expr(SEG):
+            sTk = smem.allocate_array(Int32, 1, byte_alignment=4)
+            if tidx == 0:
+                sTk[0] = cute.arch.atomic_add(mFlag.iterator.llvm_ptr, Int32(1), sem="relaxed", scope="gpu")
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
+        if cutlass.const_expr(SEG):
+            t0 = sTk[0]
 
         if wg == 0:
-            # producer: warp 0 issues each chunk's three boxes on one mbarrier
+            # producer: warp 0 issues each chunk's boxes on one mbarrier (the fused split's first pass: K and V)
             cute.arch.setmaxregister_decrease(REGS_LOAD)
             if warp == 0:
                 cpasync.prefetch_descriptor(tmaQ)
                 cpasync.prefetch_descriptor(tmaK)
                 cpasync.prefetch_descriptor(tmaV)
-                gQ = cute.local_tile(cute.domain_offset((bos, 0), gQt[None, None, h, b]), (C, K), (None, 0))
-                gK = cute.local_tile(cute.domain_offset((bos, 0), gKt[None, None, h, b]), (C, K), (None, 0))
-                gV = cute.local_tile(cute.domain_offset((bos, 0), gVt[None, None, h, b]), (C, BV), (None, vb))
-                tQs, tQg = cpasync.tma_partition(tmaQ, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
-                                                 cute.group_modes(gQ, 0, 2))
-                tKs, tKg = cpasync.tma_partition(tmaK, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                                                 cute.group_modes(gK, 0, 2))
-                tVs, tVg = cpasync.tma_partition(tmaV, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
-                                                 cute.group_modes(gV, 0, 2))
                 pst = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, LD_STAGES)
-                for c in cutlass.range(nch, unroll=1):
-                    ld.producer_acquire(pst)
-                    bar = ld.producer_get_barrier(pst)
-                    cute.copy(tmaQ, tQg[None, c], tQs[None, pst.index], tma_bar_ptr=bar)
-                    cute.copy(tmaK, tKg[None, c], tKs[None, pst.index], tma_bar_ptr=bar)
-                    cute.copy(tmaV, tVg[None, c], tVs[None, pst.index], tma_bar_ptr=bar)
-                    pst.advance()
+                for t in cutlass.range(t0, ntiles, step, unroll=1):
+                    vb, h, n, z, b, bos, Tn, more = tile(mQ, mCu, t, H, seg_len, nseg)
+                    nch = (Tn + C - 1) // C
+                    gQ = cute.local_tile(cute.domain_offset((bos, 0), gQt[None, None, h, b]), (C, K), (None, 0))
+                    gK = cute.local_tile(cute.domain_offset((bos, 0), gKt[None, None, h, b]), (C, K), (None, 0))
+                    gV = cute.local_tile(cute.domain_offset((bos, 0), gVt[None, None, h, b]), (C, BV), (None, vb))
+                    tQs, tQg = cpasync.tma_partition(tmaQ, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                                     cute.group_modes(gQ, 0, 2))
+                    tKs, tKg = cpasync.tma_partition(tmaK, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                                     cute.group_modes(gK, 0, 2))
+                    tVs, tVg = cpasync.tma_partition(tmaV, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                                     cute.group_modes(gV, 0, 2))
+                    if cutlass.const_expr(SEG):
+                        for c in cutlass.range(cutlass.select_(more > 0, nch, 0), unroll=1):
+                            ld.sync_object_empty.wait(pst.index, pst.phase)
+                            ld.sync_object_full.arrive_and_expect_tx(pst.index, TX_KV)
+                            bar = ld.producer_get_barrier(pst)
+                            cute.copy(tmaK, tKg[None, c], tKs[None, pst.index], tma_bar_ptr=bar)
+                            cute.copy(tmaV, tVg[None, c], tVs[None, pst.index], tma_bar_ptr=bar)
+                            pst.advance()
+                    for c in cutlass.range(nch, unroll=1):
+                        ld.producer_acquire(pst)
+                        bar = ld.producer_get_barrier(pst)
+                        cute.copy(tmaQ, tQg[None, c], tQs[None, pst.index], tma_bar_ptr=bar)
+                        cute.copy(tmaK, tKg[None, c], tKs[None, pst.index], tma_bar_ptr=bar)
+                        cute.copy(tmaV, tVg[None, c], tVs[None, pst.index], tma_bar_ptr=bar)
+                        pst.advance()
 
         if wg == 1:
             # state: publish bf16(S_c), then S_c+1 = exp(gL) S_c + K^T Vd
@@ -191,34 +268,64 @@ def make_launcher(cfg):
             fKt = mma3.make_fragment_A(t3.partition_A(sKt))
             fVd = mma3.make_fragment_B(t3.partition_B(sVdt))
             tCsS = t3.partition_C(sS)
-            accS = _state_init(t3, mH0, n, h, vb, K, BV, cfg.has_h0)
+            tab = sTab[0, None]
             sst = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S_SLOTS)
             cst = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, LD_STAGES)
-            for c in cutlass.range(nch, unroll=1):
-                L = cutlass.min(Int32(C), Tn - c * C)
-                sp.producer_acquire(sst)
-                rS = cute.make_fragment_like(accS, DT)
-                rS.store(accS.load().to(DT))
-                cute.autovec_copy(rS, tCsS[None, None, None, sst.index])
-                cute.arch.fence_proxy("async.shared", space="cta")   # st.shared -> the output WG's wgmma
-                sp.producer_commit(sst)
-                sst.advance()
-
-                ld.consumer_wait(cst)
-                st = cst.index
-                cute.arch.barrier(barrier_id=BAR_STATE, number_of_threads=WG)   # last chunk's K^T Vd is done
-                _decay_v(sV[None, None, st], sVd, lt, L, sTab, DT)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=BAR_STATE, number_of_threads=WG)   # Vd visible
-                accS.store(accS.load() * sTab[L])
-                warpgroup.fence()
-                _wgmma(mma3, accS, fKt[None, None, None, st], fVd)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                ld.consumer_release(cst)
-                cst.advance()
-            if cutlass.const_expr(cfg.has_ht):
-                _state_store(t3, accS, mHt, n, h, vb, K, BV)
+            for t in cutlass.range(t0, ntiles, step, unroll=1):
+                vb, h, n, z, b, bos, Tn, more = tile(mQ, mCu, t, H, seg_len, nseg)
+                nch = (Tn + C - 1) // C
+                cute.arch.barrier(barrier_id=BAR_STATE, number_of_threads=WG)   # the last tile's decays are read
+                if lt <= C:
+                    tab[lt] = cute.math.exp(Float32(mG[h]) * Float32(lt), fastmath=False)
+                if cutlass.const_expr(SEG):
+                    # the fused split. First pass (a segment followed by more tokens: all its chunks are whole): the
+                    # local state X_z from zero over the segment's K, V, published to mX[z] with a release flag
+                    accS = _state_init(t3, mH0, n, h, vb, K, BV, False)
+                    for _c in cutlass.range(cutlass.select_(more > 0, nch, 0), unroll=1):
+                        _state_step(ld, cst, mma3, accS, fKt, fVd, sV, sVd, lt, Int32(C), tab, DT)
+                        cst.advance()
+                    if more > 0:
+                        _state_store(t3, accS, mX, z, h, vb, K, BV)
+                        cute.arch.barrier(barrier_id=BAR_STATE, number_of_threads=WG)
+                        if lt == 0:
+                            cute.arch.fence_acq_rel_gpu()
+                            cute.arch.store((mFlag.iterator + 1 + t).llvm_ptr, Int32(1), sem="release", scope="gpu")
+                    # the initial state, S_in(p) = exp(g seg_len) S_in(p - 1) + X_(p-1) from S_in(0) = h0, once every
+                    # earlier segment's flag is set (thread j waits for segments j, j + 128, ...; at bv 64 two segments'
+                    # X loads are in flight at a time). A segment with no tokens (p > 0) does nothing at all.
+                    accS = _state_init(t3, mH0, n, h, vb, K, BV, cfg.has_h0)
+                    p = z - n * nseg
+                    np_ = cutlass.select_(Tn > 0, p, 0)
+                    dseg = cute.math.exp(Float32(mG[h]) * Float32(seg_len), fastmath=False)
+                    for j in cutlass.range(lt, np_, WG, unroll=1):
+                        fp = (mFlag.iterator + 1 + t + (j - p) * (H * NVB)).llvm_ptr
+                        f = cute.arch.load(fp, Int32, sem="acquire", scope="gpu")
+                        while f == 0:
+                            f = cute.arch.load(fp, Int32, sem="acquire", scope="gpu")
+                    cute.arch.barrier(barrier_id=BAR_STATE, number_of_threads=WG)
+                    for j in cutlass.range(np_, unroll=2 if BV == 64 else 1):
+                        xj = _state_init(t3, mX, z + j - p, h, vb, K, BV, True)
+                        accS.store(accS.load() * dseg + xj.load())
+                else:
+                    accS = _state_init(t3, mH0, n, h, vb, K, BV, cfg.has_h0)
+                for c in cutlass.range(nch, unroll=1):
+                    L = cutlass.min(Int32(C), Tn - c * C)
+                    sp.producer_acquire(sst)
+                    rS = cute.make_fragment_like(accS, DT)
+                    rS.store(accS.load().to(DT))
+                    cute.autovec_copy(rS, tCsS[None, None, None, sst.index])
+                    cute.arch.fence_proxy("async.shared", space="cta")   # st.shared -> the output WG's wgmma
+                    sp.producer_commit(sst)
+                    sst.advance()
+                    _state_step(ld, cst, mma3, accS, fKt, fVd, sV, sVd, lt, L, tab, DT)
+                    cst.advance()
+                if cutlass.const_expr(cfg.has_ht):
+                    if cutlass.const_expr(SEG):
+                        # the sequence's final state: from its last segment (from segment 0 when it has no tokens)
+                        if more == 0 and (Tn > 0 or z == n * nseg):
+                            _state_store(t3, accS, mHt, n, h, vb, K, BV)
+                    else:
+                        _state_store(t3, accS, mHt, n, h, vb, K, BV)
 
         if wg == 2:
             # output: A = Q K^T, O = Q S_c; P = mask/decay(A); O = exp(g(i+1)) O + P V; o rows < L
@@ -238,80 +345,120 @@ def make_launcher(cfg):
             tAc = t1.partition_C(cute.make_identity_tensor((C, C)))
             tOc = t2.partition_C(cute.make_identity_tensor((C, BV)))
             tCsO = t2.partition_C(sO)
-            if cutlass.const_expr(OT):
-                gO = cute.local_tile(cute.domain_offset((bos, 0), gOt[None, None, h, b]), (C, BV), (None, vb))
-                tOs, tOg = cpasync.tma_partition(tmaO, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
-                                                 cute.group_modes(gO, 0, 2))
+            tab = sTab[1, None]
             cst = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, LD_STAGES)
             sst = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, S_SLOTS)
-            for c in cutlass.range(nch, unroll=1):
-                t0 = c * C
-                L = cutlass.min(Int32(C), Tn - t0)
-                ld.consumer_wait(cst)
-                sp.consumer_wait(sst)
-                st = cst.index
-                accA, accO = _qk_and_qs(mma1, t1, fQ1[None, None, None, st], fK1[None, None, None, st], mma2, t2,
-                                        fQ2[None, None, None, st], fS[None, None, None, sst.index], C, BV)
-                sp.consumer_release(sst)
-                sst.advance()
-                rP = _mask_decay(accA, tAc, sTab, DT)
-                for e in cutlass.range_constexpr(cute.size(accO)):
-                    i, _ = tOc[e]
-                    accO[e] = accO[e] * sTab[i + 1]
-                warpgroup.fence()
-                _wgmma(mmaP, accO, _acc_as_a(rP), fV[None, None, None, st])
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                ld.consumer_release(cst)
-                cst.advance()
-                rO = cute.make_fragment_like(accO, DT)
-                rO.store((accO.load() * scale).to(DT))
-                slot = c % O_SLOTS
+            oc = Int32(0)   # o slots used so far (the slot ring runs on across tiles)
+            for t in cutlass.range(t0, ntiles, step, unroll=1):
+                vb, h, n, z, b, bos, Tn, more = tile(mQ, mCu, t, H, seg_len, nseg)
+                nch = (Tn + C - 1) // C
+                v0 = vb * BV
+                if cutlass.const_expr(SEG):
+                    # the fused split's first pass feeds the state warpgroup alone: release its stages unread
+                    for _c in cutlass.range(cutlass.select_(more > 0, nch, 0), unroll=1):
+                        ld.consumer_wait(cst)
+                        ld.consumer_release(cst)
+                        cst.advance()
+                cute.arch.barrier(barrier_id=BAR_OUT, number_of_threads=WG)   # the last tile's decays are read
+                if lt <= C:
+                    tab[lt] = cute.math.exp(Float32(mG[h]) * Float32(lt), fastmath=False)
+                cute.arch.barrier(barrier_id=BAR_OUT, number_of_threads=WG)
                 if cutlass.const_expr(OT):
-                    if warp == 2 * 4:   # the store warp: the TMA store that last read this slot is done
-                        cute.arch.cp_async_bulk_wait_group(O_SLOTS - 1, read=True)
-                    cute.arch.barrier(barrier_id=BAR_OUT, number_of_threads=WG)
-                elif cutlass.const_expr(O_SLOTS == 1):
-                    cute.arch.barrier(barrier_id=BAR_OUT, number_of_threads=WG)   # chunk c - 1's o rows are read
-                cute.autovec_copy(rO, tCsO[None, None, None, slot])
-                if cutlass.const_expr(OT):
-                    cute.arch.fence_proxy("async.shared", space="cta")   # st.shared -> the TMA store
-                cute.arch.barrier(barrier_id=BAR_OUT, number_of_threads=WG)   # the o tile is whole
-                if cutlass.const_expr(OT):
-                    # one box per chunk; TMA clips rows past T. A varlen sequence's tail chunk would write into the
-                    # next sequence's rows: stored row by row instead
-                    if cutlass.const_expr(cfg.varlen):
-                        if t0 + C <= Tn:
+                    gO = cute.local_tile(cute.domain_offset((bos, 0), gOt[None, None, h, b]), (C, BV), (None, vb))
+                    tOs, tOg = cpasync.tma_partition(tmaO, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
+                                                     cute.group_modes(gO, 0, 2))
+                for c in cutlass.range(nch, unroll=1):
+                    c0 = c * C
+                    L = cutlass.min(Int32(C), Tn - c0)
+                    ld.consumer_wait(cst)
+                    sp.consumer_wait(sst)
+                    st = cst.index
+                    accA, accO = _qk_and_qs(mma1, t1, fQ1[None, None, None, st], fK1[None, None, None, st], mma2,
+                                            t2, fQ2[None, None, None, st], fS[None, None, None, sst.index], C, BV)
+                    sp.consumer_release(sst)
+                    sst.advance()
+                    rP = _mask_decay(accA, tAc, tab, DT)
+                    for e in cutlass.range_constexpr(cute.size(accO)):
+                        i, _ = tOc[e]
+                        accO[e] = accO[e] * tab[i + 1]
+                    warpgroup.fence()
+                    _wgmma(mmaP, accO, _acc_as_a(rP), fV[None, None, None, st])
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    ld.consumer_release(cst)
+                    cst.advance()
+                    rO = cute.make_fragment_like(accO, DT)
+                    rO.store((accO.load() * scale).to(DT))
+                    slot = oc % O_SLOTS
+                    oc += 1
+                    if cutlass.const_expr(OT):
+                        if warp == 2 * 4:   # the store warp: the TMA store that last read this slot is done
+                            cute.arch.cp_async_bulk_wait_group(O_SLOTS - 1, read=True)
+                        cute.arch.barrier(barrier_id=BAR_OUT, number_of_threads=WG)
+                    elif cutlass.const_expr(O_SLOTS == 1):
+                        cute.arch.barrier(barrier_id=BAR_OUT, number_of_threads=WG)   # the last o rows are read
+                    cute.autovec_copy(rO, tCsO[None, None, None, slot])
+                    if cutlass.const_expr(OT):
+                        cute.arch.fence_proxy("async.shared", space="cta")   # st.shared -> the TMA store
+                    cute.arch.barrier(barrier_id=BAR_OUT, number_of_threads=WG)   # the o tile is whole
+                    if cutlass.const_expr(OT):
+                        # one box per chunk; TMA clips rows past T. A varlen sequence's tail chunk would write into
+                        # the next sequence's rows: stored row by row instead
+                        if cutlass.const_expr(cfg.varlen):
+                            if c0 + C <= Tn:
+                                if warp == 2 * 4:
+                                    cute.copy(tmaO, tOs[None, slot], tOg[None, c])
+                                    cute.arch.cp_async_bulk_commit_group()
+                            else:
+                                _store_o_rows(sO[None, None, slot], mO, b, bos, c0, L, h, v0, False, lt, WG)
+                        else:
                             if warp == 2 * 4:
                                 cute.copy(tmaO, tOs[None, slot], tOg[None, c])
                                 cute.arch.cp_async_bulk_commit_group()
-                        else:
-                            _store_o_rows(sO[None, None, slot], mO, b, bos, t0, L, h, v0, False, lt, WG)
                     else:
-                        if warp == 2 * 4:
-                            cute.copy(tmaO, tOs[None, slot], tOg[None, c])
-                            cute.arch.cp_async_bulk_commit_group()
-                else:
-                    _store_o_rows(sO[None, None, slot], mO, b, bos, t0, L, h, v0, False, lt, WG)
+                        _store_o_rows(sO[None, None, slot], mO, b, bos, c0, L, h, v0, False, lt, WG)
             if cutlass.const_expr(OT):
                 if warp == 2 * 4:
                     cute.arch.cp_async_bulk_wait_group(0)
 
-    @cute.jit
-    def launch(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mH0: cute.Tensor,
-               mHt: cute.Tensor, mO: cute.Tensor, mCu: cute.Tensor, scale: Float32, stream):
+    def tma_atoms(mQ, mK, mV, mO):
         LQ, LVt, LV, LVdt, LSt, LO = _layouts(cfg)
         op = cpasync.CopyBulkTensorTileG2SOp()
-        tmaQ, gQt = cpasync.make_tiled_tma_atom(op, _tok_major(mQ), cute.slice_(LQ, (None, None, 0)), (C, K))
-        tmaK, gKt = cpasync.make_tiled_tma_atom(op, _tok_major(mK), cute.slice_(LQ, (None, None, 0)), (C, K))
-        tmaV, gVt = cpasync.make_tiled_tma_atom(op, _tok_major(mV), cute.slice_(LV, (None, None, 0)), (C, BV))
-        tmaO, gOt = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), _tok_major(mO),
-                                                cute.slice_(LO, (None, None, 0)), (C, BV))
+        return (*cpasync.make_tiled_tma_atom(op, _tok_major(mQ), cute.slice_(LQ, (None, None, 0)), (C, K)),
+                *cpasync.make_tiled_tma_atom(op, _tok_major(mK), cute.slice_(LQ, (None, None, 0)), (C, K)),
+                *cpasync.make_tiled_tma_atom(op, _tok_major(mV), cute.slice_(LV, (None, None, 0)), (C, BV)),
+                *cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), _tok_major(mO),
+                                             cute.slice_(LO, (None, None, 0)), (C, BV)))
+
+    if SEG:
+        @cute.jit
+        def launch_seg(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mH0: cute.Tensor,
+                       mHt: cute.Tensor, mO: cute.Tensor, mCu: cute.Tensor, mX: cute.Tensor, mFlag: cute.Tensor,
+                       scale: Float32, seg_len: Int32, nseg: Int32, stream):
+            # one CTA per tile: NVB x H x sequences x segments (the host keeps it <= 2^31 - 1)
+            if cutlass.const_expr(cfg.varlen):
+                nseq = mCu.shape[0] - 1
+            else:
+                nseq = mQ.shape[0]
+            ntiles = NVB * mQ.shape[2] * nseq * nseg
+            kernel(*tma_atoms(mQ, mK, mV, mO), mQ, mG, mH0, mHt, mO, mCu, mX, mFlag, scale, ntiles, seg_len,
+                   nseg).launch(grid=[ntiles, 1, 1], block=[NTHR, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+        return launch_seg
+
+    @cute.jit
+    def launch(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mH0: cute.Tensor,
+               mHt: cute.Tensor, mO: cute.Tensor, mCu: cute.Tensor, scale: Float32, nsm: Int32, stream):
         if cutlass.const_expr(cfg.varlen):
             nseq = mCu.shape[0] - 1
         else:
             nseq = mQ.shape[0]
-        kernel(tmaQ, gQt, tmaK, gKt, tmaV, gVt, tmaO, gOt, mQ, mG, mH0, mHt, mO, mCu, scale).launch(
-            grid=[cfg.V // BV, mQ.shape[2], nseq], block=[NTHR, 1, 1], stream=stream, min_blocks_per_mp=1)
+        ntiles = NVB * mQ.shape[2] * nseq
+        nctas = ntiles
+        if cutlass.const_expr(cfg.persistent):
+            nctas = cutlass.min(ntiles, nsm)
+        kernel(*tma_atoms(mQ, mK, mV, mO), mQ, mG, mH0, mHt, mO, mCu, None, None, scale, ntiles, Int32(0),
+               Int32(1)).launch(
+            grid=[nctas, 1, 1], block=[NTHR, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     return launch

@@ -37,7 +37,9 @@ VARIANTS = {"sync-kv1": {"mma": "sync", "kv_stages": 1}, "sync-kv2": {"mma": "sy
             "wgmma-odirect": {"ws": False, "o_direct": True},
             "wgmma-kv1-psmem-odirect": {"ws": False, "kv_stages": 1, "p_regs": False, "o_direct": True},
             # the warp-specialized kernel (the default), unsplit at both bv (the split's passes normalize ws off)
-            "ws-bv128": {"bv": 128, "split": 0}, "ws-bv64": {"bv": 64, "split": 0}}
+            "ws-bv128": {"bv": 128, "split": 0}, "ws-bv64": {"bv": 64, "split": 0},
+            "ws-persistent": {"persistent": True, "split": 0}, "ws-bv128-persistent": {"bv": 128, "persistent": True,
+                                                                                        "split": 0}}
 
 
 @pytest.fixture(params=list(VARIANTS))
@@ -316,10 +318,13 @@ def test_split_weak_decay_long(layer, fla_fns):
 @pytest.mark.parametrize("knobs", [{"mma": "sync", "kv_stages": 1}, {"mma": "sync", "kv_stages": 2},
                                    {"mma": "sync", "bv": 32, "kv_stages": 1},
                                    {"mma": "wgmma"}, {"p_regs": True, "o_direct": True},
-                                   {"kv_stages": 1, "p_regs": False}],
-                         ids=["sync", "kv2", "bv32", "wgmma", "pregs-odirect", "wgmma-kv1-psmem"])
+                                   {"kv_stages": 1, "p_regs": False, "ws": False}, {"bv": 128}, {"ws": False}],
+                         ids=["sync", "kv2", "bv32", "wgmma", "pregs-odirect", "wgmma-kv1-psmem", "fused-bv128",
+                              "three-launch"])
 def test_split_variants(knobs, fla_fns):
-    """Pass 2 on every kernel variant (pass 1 is always the mma.sync state pass); K = V = 64 too."""
+    """Every split: the fused one (ws, the default: "wgmma" and "pregs-odirect", whose one-warpgroup knobs ws
+    normalizes away) and the three-launch one's pass 2 on every one-warpgroup variant (pass 1 is always the
+    mma.sync state pass); K = V = 64 too."""
     q, k, v, h0 = _inputs(2, 1500, 8, h0=torch.float32, seed=51)
     _split_vs_unsplit(q, k, v, h0, True, P=4, knobs=knobs, fla_fns=fla_fns)
     if "bv" not in knobs:
@@ -354,6 +359,7 @@ def test_split_heuristic_shapes(fla_fns):
     lp = _lp()
     assert lp._split_for(None, False, 16384, 1, 16, 128, 128, 64) == (8, 2048)
     assert lp._split_for(None, False, 8192, 1, 8, 128, 128, 64) is not None
+    assert lp._split_for(None, False, 16384, 1, 16, 128, 128, 64, True) == (4, 4096)   # the fused split (default)
     lp.set_tuning(split="auto")
     try:
         q, k, v, h0 = _inputs(1, 16384, 16, h0=torch.float32, seed=61)
@@ -429,7 +435,9 @@ def test_reverse(case):
     q, k, v, h0 = _inputs(B, T, H, D, dtype=c.get("dtype", torch.bfloat16), h0=torch.float32 if states else None,
                           N=N, seed=T + H)
     g, scale = lightning_g_gamma(H, 0, 24, device=DEV), D ** -0.5
-    lp.set_tuning(**knobs, **({} if split is None else {"split": split}))
+    # ws off: reverse runs take the one-warpgroup kernels (and the three-launch split); the flipped forward run must
+    # take the same ones to give the same bits (the fused split's in-kernel combine rounds the state differently)
+    lp.set_tuning(ws=False, **knobs, **({} if split is None else {"split": split}))
     try:
         with nan_empty():
             o, ht = lp.run(q, k, v, g, scale, h0, states, cu, reverse=True)
