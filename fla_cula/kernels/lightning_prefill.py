@@ -1381,6 +1381,11 @@ WS_SPLIT_BV = 64
 # chunks; FLA's two passes (chunk states, then outputs) are parallel over chunks. The routed op sends such calls
 # to FLA with this reason; lightning_prefill.run() (tests, tools) runs them anyway.
 MIN_CTAS = 128
+# The warp-specialized kernel (one CTA per SM at full speed) beats FLA from far fewer CTAs: H200, session 17, graph
+# replay, unsplit at bv 64: 80 CTAs (B1 T8192 H40) 1.80x FLA, 80 (B1 T1024 H40) 1.73x, 96 (B1 T16384 H48, B3 T4096
+# H16, B1 T2048 H48) 2.00x, 2.04x, 1.90x, where the three-launch split measured 1.35-1.49x and the fused split at
+# bv 128 1.41-1.86x (docs/lightning_prefill.md, v4). Below this the fused split serves the call or FLA does.
+WS_MIN_CTAS = 80
 
 
 def small_grid_reason(q, v, cu_seqlens, split_knob, bv: int, fused: bool = False) -> str | None:
@@ -1391,10 +1396,11 @@ def small_grid_reason(q, v, cu_seqlens, split_knob, bv: int, fused: bool = False
     B, T, H, K = q.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     ctas = N * H * (v.shape[3] // bv)
-    if ctas >= MIN_CTAS or _split_for(split_knob, cu_seqlens is not None, T, N, H, K, v.shape[3], bv,
-                                                   fused) is not None:
+    limit = min(MIN_CTAS, WS_MIN_CTAS) if fused else MIN_CTAS   # fused: the ws kernel serves the call
+    if ctas >= limit or _split_for(split_knob, cu_seqlens is not None, T, N, H, K, v.shape[3], bv,
+                                   fused) is not None:
         return None
-    return (f"grid of {ctas} CTAs (sequences x heads x V/{bv}) < {MIN_CTAS}: FLA is faster on grids this small "
+    return (f"grid of {ctas} CTAs (sequences x heads x V/{bv}) < {limit}: FLA is faster on grids this small "
             f"(measured 0.39-0.58x at 16-32 CTAs) and the sequence split does not pay at this length")
 
 
