@@ -1384,8 +1384,10 @@ MIN_CTAS = 128
 # The warp-specialized kernel (one CTA per SM at full speed) beats FLA from far fewer CTAs: H200, session 17, graph
 # replay, unsplit at bv 64: 80 CTAs (B1 T8192 H40) 1.80x FLA, 80 (B1 T1024 H40) 1.73x, 96 (B1 T16384 H48, B3 T4096
 # H16, B1 T2048 H48) 2.00x, 2.04x, 1.90x, where the three-launch split measured 1.35-1.49x and the fused split at
-# bv 128 1.41-1.86x (docs/lightning_prefill.md, v4). Below this the fused split serves the call or FLA does.
-WS_MIN_CTAS = 80
+# bv 128 1.41-1.86x (docs/lightning_prefill.md, v4). Each CTA has an SM to itself below one wave, so its time does not
+# depend on the grid's size: the 80-CTA times hold down to 67 CTAs, where FLA's time is >= 67/80 of its 80-CTA time
+# (>= 1.5x). From 66 CTAs down the fused split serves the call (2 segments or more), or FLA does (short sequences).
+WS_MIN_CTAS = SMS // 2 + 1
 
 
 def small_grid_reason(q, v, cu_seqlens, split_knob, bv: int, fused: bool = False) -> str | None:
