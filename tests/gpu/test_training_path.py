@@ -234,6 +234,32 @@ def test_chunk_lightning_grads_bit_identical_to_fla(case):
             assert _max_diff(a, b) <= _max_diff(a, a2), name
 
 
+@pytest.mark.parametrize("B,T,H,route", [(1, 1024, 40, "kernel"), (1, 2048, 16, "kernel"), (1, 448, 8, "fla")],
+                         ids=["80ctas-unsplit", "32ctas-fused-split", "16ctas-7chunks-fla"])
+def test_chunk_lightning_small_grid_routes(B, T, H, route, monkeypatch):
+    """The routed op's small-grid rule (FLA_CULA_FORCE off): the ws kernel unsplit from WS_MIN_CTAS CTAs (80 here), the
+    fused split below it (32 CTAs, 4 segments), FLA where neither pays (16 CTAs, 7 chunks: segments would be < 4
+    chunks), with that reason; the kernel's outputs within FLA's tolerance of FLA's."""
+    from fla.utils import assert_close
+    monkeypatch.delenv("FLA_CULA_STAND_IN")
+    monkeypatch.delenv("FLA_CULA_FORCE", raising=False)
+    if route == "fla":
+        monkeypatch.delenv("FLA_CULA_STRICT")   # the fallback is the expected route here
+    routing.clear_plans()
+    (q, k, v, h0), kw, _, _ = _lightning_case(B=B, T=T, H=H, D=128, seed=T + H)
+    with torch.no_grad():
+        ref = ops_la.FLA_CHUNK_LIGHTNING_ATTN(q, k, v, 3, 24, initial_state=h0, **kw)
+        ours = fla_cula.chunk_lightning_attn(q, k, v, 3, 24, initial_state=h0, **kw)
+    st = fla_cula.status()["chunk_lightning_attn"]
+    if route == "kernel":
+        assert st["kernel"] == 1, st
+    else:
+        assert st["kernel"] == 0 and len(st["fallback"]) == 1 and "16 CTAs" in next(iter(st["fallback"])), st
+    for name, a, b in zip(["o", "ht"], ref, ours, strict=True):
+        assert torch.isfinite(b).all(), name
+        assert_close(name, a, b, 0.005)
+
+
 @pytest.mark.parametrize("backward", ["fla", "forward_runs"])
 def test_chunk_lightning_backward_switch(monkeypatch, backward):
     """LIGHTNING_BACKWARD picks the backward when the kernel ran the forward: "fla" gives FLA's gradients bit for
