@@ -325,12 +325,15 @@ def kernel_times(fn, n: int = 10) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def kda_share(kernels: dict[str, float], other: dict[str, float]) -> tuple[float, float]:
-    """(µs of the KDA decode kernels, µs of everything) in one side's profile: FLA's kernel by name,
-    fla_cula's as the kernel names the other side's profile does not have."""
+def op_shares(kernels: dict[str, float], other: dict[str, float]) -> tuple[float, float, float]:
+    """(µs of the KDA decode kernels, µs of the short-convolution steps, µs of everything) in one side's profile.
+    The convolutions by name (FLA's causal_conv1d_update_kernel, fla_cula's conv1d_update_kernel); the KDA kernel:
+    FLA's by name, fla_cula's as the other kernel names the other side's profile does not have."""
     total = sum(kernels.values())
-    kda = sum(t for k, t in kernels.items() if "fused_recurrent_kda" in k or k not in other)
-    return kda, total
+    conv = sum(t for k, t in kernels.items() if "conv1d_update" in k)
+    kda = sum(t for k, t in kernels.items()
+              if "conv1d_update" not in k and ("fused_recurrent_kda" in k or k not in other))
+    return kda, conv, total
 
 
 def row_decode_graph(model, device, B: int, reps: int, inplace: bool = False) -> dict:
@@ -369,11 +372,13 @@ def row_decode_graph(model, device, B: int, reps: int, inplace: bool = False) ->
         seq[side] = out
     err = max(rel_rms(a, b) for a, b in zip(seq["plain"], seq["patched"], strict=True))
     kern = {side: kernel_times(st.graph.replay) for side, st in steps.items()}
-    share = {side: kda_share(kern[side], kern["patched" if side == "plain" else "plain"]) for side in kern}
-    split = (f"KDA kernel {share['plain'][0]:.1f} / {share['patched'][0]:.1f} µs of "
-             f"{share['plain'][1]:.1f} / {share['patched'][1]:.1f} µs GPU time (plain / patched, profiled replays)")
+    share = {side: op_shares(kern[side], kern["patched" if side == "plain" else "plain"]) for side in kern}
+    split = (f"KDA kernel {share['plain'][0]:.1f} / {share['patched'][0]:.1f} µs, short convolutions "
+             f"{share['plain'][1]:.1f} / {share['patched'][1]:.1f} µs of {share['plain'][2]:.1f} / "
+             f"{share['patched'][2]:.1f} µs GPU time (plain / patched, profiled replays)")
     side_extra = {side: {"kernels_us": {k: round(t, 2) for k, t in kern[side].items()},
-                         "kda_us": share[side][0], "gpu_us": share[side][1]} for side in kern}
+                         "kda_us": share[side][0], "conv_us": share[side][1], "gpu_us": share[side][2]}
+                  for side in kern}
     if inplace:
         note = f"graph step, state updated in place (fused_recurrent_kda_fwd inplace_final_state=True); {split}"
         return _pair(samples, {}, {"logits_rel_rms": err}, f"B={B} T=1 (cache of {PROMPT} tokens)", B, 1,

@@ -258,6 +258,26 @@ def schedule_bytes(s: Shape, x: dict, mode: str) -> float:
     return 8 * (n + 1) + 8 * (s.tokens // CHUNK + n) + 4 * (n + 1)
 
 
+CONV_W = 4
+
+
+def conv_inputs(s: Shape, device, grad: bool) -> dict:
+    """A KDA layer's q short convolution in decode: x [B, 1, H K] bf16, cache [B, H K, 4], weight [H K, 4], silu."""
+    D = s.H * s.K
+    return {"x": torch.randn(s.B, 1, D, device=device, dtype=torch.bfloat16),
+            "cache": torch.randn(s.B, D, CONV_W, device=device, dtype=torch.bfloat16),
+            "weight": 0.5 * torch.randn(D, CONV_W, device=device, dtype=torch.bfloat16)}
+
+
+def call_conv_update(fn, x):
+    return fn(x["x"], x["cache"], weight=x["weight"], activation="silu")
+
+
+def conv_bytes(s: Shape, x: dict, mode: str) -> float:
+    """x read and y written, the cache read and written, the weight read."""
+    return 2 * tensor_bytes(x["x"]) + 2 * tensor_bytes(x["cache"]) + tensor_bytes(x["weight"])
+
+
 def registry() -> list[Bench]:
     kda_prefill = [_S(1, 512, 64), _S(1, 4096, 64), _S(1, 16384, 64), _S(2, 1024, 64), _S(2, 4096, 64),
                    _S(2, 8192, 64), _S(2, 16384, 64), _S(8, 4096, 64), _S(32, 1024, 64),
@@ -275,6 +295,7 @@ def registry() -> list[Bench]:
                      _S(1, 8192, 8), _S(1, 16384, 16), _S(1, 2048, 16)]   # tensor-parallel shards (the split)
     light_train = [_S(2, 8192, 64), _S(8, 4096, 64)]
     light_decode = [_S(b, 1, 64) for b in DECODE_B] + [_S(b, 4, 64) for b in (32, 128)]
+    conv_decode = [_S(b, 1, 16) for b in (1, 32, 128, 256)]
     rb = recurrent_flops
     schedules = [_S(1, 8192, 32, varlen=SKEWED_8K, label="skewed"), _S(1, 8192, 32, varlen=SHORT_8K, label="short"),
                  _S(1, 1, 32, varlen=(1,) * 4096, label="4096 x 1")]
@@ -307,6 +328,9 @@ def registry() -> list[Bench]:
         Bench("chunk_lightning_attn train", "chunk_lightning_attn", ("fwdbwd",), light_train, [],
               lambda s, d, g: lightning_inputs(s, d, g), call_chunk_lightning, io_bytes, chunk_lightning_flops,
               grad_inputs=("q", "k", "v"), flags="grads of q, k, v"),
+        Bench("causal_conv1d_update decode", "causal_conv1d_update", ("eager", "graph"), conv_decode, conv_decode,
+              conv_inputs, call_conv_update, conv_bytes, lambda s, mode: 0.0,
+              flags="ShortConvolution's decode step: D = H x 128, W = 4, bf16, silu, cache updated in place"),
         Bench("fused_recurrent_lightning_attn decode", "fused_recurrent_lightning_attn",
               ("eager", "graph", "graph_warm"),
               light_decode, light_decode,  # quick = full: the issue-5 target rows

@@ -1,7 +1,8 @@
 """fla_cula: FLA-compatible CUDA kernels for Hopper, dropped in under flash-linear-attention 0.6.0.
 
     import fla_cula
-    fla_cula.patch()          # FLA's chunk_kda, fused_recurrent_kda(_fwd), lightning ops -> fla_cula
+    fla_cula.patch()          # FLA's chunk_kda, fused_recurrent_kda(_fwd), lightning ops, the short
+                              # convolution's decode step (causal_conv1d_update) -> fla_cula
     ...
     fla_cula.status()         # per op: kernel calls and fallbacks by reason
 
@@ -10,6 +11,7 @@ FLA_CULA_PATCH=1 (patch at start-up through the installed .pth hook; or `python 
 """
 
 from fla_cula.ops import (
+    causal_conv1d_update,
     chunk_kda,
     chunk_lightning_attn,
     fused_recurrent_kda,
@@ -25,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "FallbackError",
     "__version__",
+    "causal_conv1d_update",
     "chunk_kda",
     "chunk_lightning_attn",
     "fused_recurrent_kda",

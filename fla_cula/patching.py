@@ -5,7 +5,8 @@ Two mechanisms, both undone exactly by unpatch():
    (``fla.ops.kda.chunk.chunk_kda``, ``fla.ops.kda.chunk_kda``, ``fla.ops.chunk_kda``,
    ``fla.layers.kda.chunk_kda``, ... found by identity, so no binder is missed) gets the
    fla_cula function instead. Module globals matter too: FLA's ``fused_recurrent_kda`` looks up
-   ``fused_recurrent_kda_fwd`` at call time, FLA's lightning looks up ``fused_recurrent_simple_gla``.
+   ``fused_recurrent_kda_fwd`` at call time, FLA's lightning looks up ``fused_recurrent_simple_gla``,
+   ``ShortConvolution.step`` looks up ``causal_conv1d_update`` (the short convolutions' decode step).
 2. FLA's backend dispatch (``fla.backends``): a backend is registered for the dispatched
    ``chunk_kda``, the ``kda`` operation (``fused_recurrent_kda_fwd``) and
    ``fused_recurrent_simple_gla``, so code that captured FLA's function object before patch()
@@ -35,6 +36,7 @@ _MODULES = (
     "fla.ops.kda.chunk", "fla.ops.kda.fused_recurrent", "fla.ops.kda",
     "fla.ops.lightning_attn.chunk", "fla.ops.lightning_attn.fused_recurrent", "fla.ops.lightning_attn",
     "fla.ops.simple_gla.fused_recurrent", "fla.ops.simple_gla", "fla.ops",
+    "fla.modules.causal_conv1d.ops", "fla.modules.causal_conv1d",
 )
 _OPTIONAL_MODULES = ("fla.layers.kda", "fla.layers")  # flash-linear-attention (not in fla-core)
 
@@ -43,8 +45,9 @@ BACKEND_TYPE = "fla_cula"
 
 def _replacements() -> dict[int, tuple[object, object]]:
     """id(FLA original) -> (original, fla_cula replacement)."""
-    from fla_cula.ops import kda, lightning_attn
+    from fla_cula.ops import conv, kda, lightning_attn
     pairs = [
+        (conv.FLA_CAUSAL_CONV1D_UPDATE, conv.causal_conv1d_update),
         (kda.FLA_CHUNK_KDA, kda.chunk_kda),
         (kda.FLA_FUSED_RECURRENT_KDA, kda.fused_recurrent_kda),
         (kda.FLA_FUSED_RECURRENT_KDA_FWD, kda.fused_recurrent_kda_fwd),

@@ -25,6 +25,7 @@ def fla_functions() -> dict[str, Callable]:
 
     if getattr(fla_cula, "is_patched", lambda: False)():
         fla_cula.unpatch()
+    from fla.modules.causal_conv1d.ops import causal_conv1d_update
     from fla.ops.kda.chunk import chunk_kda
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda, fused_recurrent_kda_fwd
     from fla.ops.lightning_attn.chunk import chunk_lightning_attn
@@ -36,6 +37,7 @@ def fla_functions() -> dict[str, Callable]:
                 fla_index.prepare_chunk_offsets.__wrapped__(cu_seqlens, chunk_size))
 
     fns = {
+        "causal_conv1d_update": causal_conv1d_update,
         "chunk_schedule": chunk_schedule,
         "chunk_kda": chunk_kda,
         "fused_recurrent_kda": fused_recurrent_kda,
@@ -50,6 +52,7 @@ def fla_functions() -> dict[str, Callable]:
 
 
 def cula_functions() -> dict[str, Callable]:
+    from fla_cula.ops.conv import causal_conv1d_update
     from fla_cula.ops.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_fwd
     from fla_cula.ops.lightning_attn import chunk_lightning_attn, fused_recurrent_lightning_attn
 
@@ -58,6 +61,7 @@ def cula_functions() -> dict[str, Callable]:
         return schedule(cu_seqlens, total_tokens, chunk_size)
 
     return {
+        "causal_conv1d_update": causal_conv1d_update,
         "chunk_schedule": chunk_schedule,
         "chunk_kda": chunk_kda,
         "fused_recurrent_kda": fused_recurrent_kda,

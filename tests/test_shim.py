@@ -13,10 +13,12 @@ import torch
 
 import fla_cula
 from fla_cula import patching, routing
+from fla_cula.ops import conv as ops_conv
 from fla_cula.ops import kda as ops_kda
 from fla_cula.ops import lightning_attn as ops_la
 
 FLA_ORIGINALS = {
+    "causal_conv1d_update": ops_conv.FLA_CAUSAL_CONV1D_UPDATE,
     "chunk_kda": ops_kda.FLA_CHUNK_KDA,
     "fused_recurrent_kda": ops_kda.FLA_FUSED_RECURRENT_KDA,
     "fused_recurrent_kda_fwd": ops_kda.FLA_FUSED_RECURRENT_KDA_FWD,
@@ -81,6 +83,8 @@ def test_patch_swaps_every_binding_and_unpatch_restores_identity():
     assert fla.ops.chunk_kda is fla_cula.chunk_kda
     assert fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd is fla_cula.fused_recurrent_kda_fwd
     assert fla.ops.lightning_attn.fused_recurrent_lightning_attn is fla_cula.fused_recurrent_lightning_attn
+    import fla.modules.causal_conv1d.ops as conv_ops  # ShortConvolution.step's module global
+    assert conv_ops.causal_conv1d_update is fla_cula.causal_conv1d_update
     fla_cula.unpatch()
     assert not fla_cula.is_patched()
     after = _all_fla_bindings()

@@ -64,6 +64,7 @@ KERNELS: dict[str, KernelEntry] = {e.name: e for e in (
     KernelEntry("lightning_prefill", "fla_cula.kernels.lightning_prefill", "CuTe DSL", plan="plan_chunk"),
     KernelEntry("varlen_schedule", "fla_cula.kernels.varlen_schedule", "CUDA C++", plan="chunk_schedule"),
     KernelEntry("kda_prefill", "fla_cula.kernels.kda_prefill", "CUDA C++"),
+    KernelEntry("conv_update", "fla_cula.kernels.conv_update", "CuTe DSL"),
     KernelEntry("probe", "fla_cula.kernels.probe", "CuTe DSL", plan="scale_add_"),
     KernelEntry("stand_in_chunk_kda", "fla_cula.ops.stand_in", "FLA (stand-in)", plan="plan_chunk_kda",
                 route="stand_in"),
@@ -82,6 +83,9 @@ OPS: dict[str, OpSpec] = {s.op: s for s in (
     OpSpec("fused_recurrent_kda_fwd", "kda_decode", FORWARD_ONLY),
     OpSpec("fused_recurrent_lightning_attn", "lightning_decode", FORWARD_ONLY),
     OpSpec("fused_recurrent_simple_gla", "lightning_decode", FORWARD_ONLY),
+    # causal_conv1d_update: ShortConvolution's decode step (FLA calls it without autograd), beside the recurrent
+    # decode op in every KDA layer's step (docs/model_benchmark.md)
+    OpSpec("causal_conv1d_update", "conv_update", FORWARD_ONLY),
     # chunk_kda: the fused KDA prefill v1.1 (CUDA C++, csrc/kda_sm90/), for inference calls where its measured
     # cost model predicts a gain over FLA (large full grids: B2 T8192 H64 2.69 vs 3.37 ms on the H200); grad and
     # other calls go to FLA with the reason (kda_prefill._route_reason; docs/kda_sm90.md, session 10).
