@@ -35,7 +35,8 @@ def _id(c):
     return (f"{c.dtype}-K{c.K}-h0{c.h0_dtype if c.has_h0 else 'none'}-ht{int(c.has_ht)}"
             f"-varlen{c.cu_dtype if c.varlen else 0}-kv{c.kv_stages}-bv{c.bv}-{c.mma}{'-ws' if c.ws else ''}"
             + ("" if c.has_o else "-stateonly") + ("-seg" if c.seg else "") + ("-rev" if c.reverse else "")
-            + ("-pregs" if c.p_regs else "") + ("-odirect" if c.o_direct else ""))
+            + ("-pregs" if c.p_regs else "") + ("-odirect" if c.o_direct else "") + ("-mcast" if c.mcast else "")
+            + ("-persistent" if c.persistent else ""))
 
 
 def _cuobjdump():
@@ -133,7 +134,7 @@ def test_config_key_has_no_sizes():
         assert size not in keys
     assert set(keys) == {"dtype", "K", "V", "bv", "chunk", "has_h0", "h0_dtype", "has_ht", "varlen", "cu_dtype",
                          "kv_stages", "mma", "has_o", "seg", "reverse", "p_regs", "o_direct", "ws", "ws_stages",
-                         "o_tma", "persistent"}
+                         "o_tma", "persistent", "mcast"}
     with pytest.raises(ValueError, match="bv=16"):
         lp.LightningPrefillConfig(bv=16)
     with pytest.raises(ValueError, match="bv=32 chunk=64 mma=wgmma"):
@@ -169,6 +170,10 @@ def test_instruction_defaults():
     for kw in ({"reverse": True}, {"has_o": False}, {"mma": "sync"}):
         c = lp.LightningPrefillConfig(bv=128, **kw)
         assert (c.ws, c.bv) == (False, 64), kw
+    # mcast: only the unsplit ws kernel with two V blocks per head (a cluster of 2 CTAs)
+    assert lp.LightningPrefillConfig(mcast=True).mcast
+    for kw in (dict(bv=128), dict(seg=True), dict(persistent=True), dict(ws=False), dict(K=64, V=64)):
+        assert not lp.LightningPrefillConfig(mcast=True, **kw).mcast, kw
     # seg with ws: the fused split (one launch, one tile per CTA: never persistent)
     c = lp.LightningPrefillConfig(bv=128, seg=True, persistent=True)
     assert (c.ws, c.bv, c.persistent) == (True, 128, False)

@@ -42,7 +42,7 @@ count, empty past each sequence's end). On by default where the heuristic predic
 set_tuning(split=0 | P) turns it off or forces P.
 
 Static (compile key): dtype (q, k, v, o), K, V, BV, chunk, has_h0 and its dtype, has_ht, varlen and
-cu_seqlens dtype, kv_stages, mma, has_o, seg, reverse, p_regs, o_direct, ws, ws_stages, o_tma, persistent.
+cu_seqlens dtype, kv_stages, mma, has_o, seg, reverse, p_regs, o_direct, ws, ws_stages, o_tma, persistent, mcast.
 Symbolic: B, T, H, N (one compile serves every batch, length, head count) and the split's segment length and count.
 State layout: K-major [N, H, K, V] only (FLA's chunk_lightning_attn never passes state_v_first).
 """
@@ -140,6 +140,11 @@ class LightningPrefillConfig:
     # ws only: a persistent grid, min(tiles, SMs) CTAs each looping over (bv block, head, sequence) tiles, so one
     # tile's first loads overlap the last one's final chunks and state store. Off when ws is off.
     persistent: bool = False
+    # ws only, unsplit, two V blocks per head (V = 2 bv): the head's two CTAs run as a cluster of 2 and each TMA-loads
+    # half of every chunk's Q and K rows into both CTAs' shared memory (multicast), so Q and K leave L2 once per head
+    # instead of twice. Written in session 18 without a device: not measured, off until it is (the B1 T16384 H64 row,
+    # 0.329 ms at bv 64 against the 0.30 target, is the case: docs/lightning_prefill.md, "v5").
+    mcast: bool = False
 
     def __post_init__(self):
         if self.kv_stages not in (1, 2):
@@ -162,6 +167,8 @@ class LightningPrefillConfig:
             object.__setattr__(self, "ws_stages", 0)
             object.__setattr__(self, "o_tma", False)
             object.__setattr__(self, "persistent", False)
+        if not self.ws or self.seg or self.persistent or self.V != 2 * self.bv:
+            object.__setattr__(self, "mcast", False)
         if not self.has_o and not self.has_ht:
             raise ValueError("has_o=False needs has_ht=True (the state pass writes only the final state)")
         if self.dtype not in ("bfloat16", "float16"):
@@ -844,6 +851,7 @@ def representative_configs() -> list:
         P(has_h0=True, has_ht=True, bv=128, o_tma=False, varlen=True),   # o rows by the threads
         P(has_h0=True, has_ht=True, ws_stages=2),
         P(has_h0=True, has_ht=True, bv=128, persistent=True), P(dtype="float16", varlen=True, persistent=True),
+        P(has_h0=True, has_ht=True, mcast=True), P(dtype="float16", varlen=True, mcast=True),   # Q/K multicast
         # one warpgroup
         P(has_h0=True, has_ht=True, mma="sync", kv_stages=1),
         P(dtype="float16", varlen=True, has_h0=False, has_ht=True, mma="sync", kv_stages=1),

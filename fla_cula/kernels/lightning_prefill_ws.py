@@ -27,6 +27,11 @@ remove them from every sum; only rows i < L are stored (TMA clips a box at T; a 
 out row by row, its box would overwrite the next sequence's rows). Not here (lightning_prefill's kernels serve them):
 reverse runs, the three-launch split's state pass (has_o=False).
 
+Q/K multicast (cfg.mcast; unsplit, V = 2 BV): the head's two V-block CTAs (tiles 2m, 2m + 1) run as a cluster of 2; each
+TMA-loads half of a chunk's Q and K rows into both CTAs' stage (multicast), and a stage is refilled once both CTAs'
+consumer warps have released it (each warp arrives on the empty barrier of both CTAs). Cluster barriers after the
+mbarrier init and before exit. Not yet measured (docs/lightning_prefill.md, "v5").
+
 The fused sequence split (cfg.seg): one launch, one CTA per tile (BV block, head, segment p of sequence n), segments of
 seg_len tokens (a multiple of C). The recurrence is linear, so with X_p the local state of segment p (from zero) and
 d = exp(g seg_len), segment p starts from S_in(p) = d S_in(p-1) + X_(p-1), S_in(0) = h0. A CTA whose segment has more
@@ -166,8 +171,9 @@ def make_launcher(cfg):
     E = DT.width // 8
     TX, TX_KV = (2 * C * K + C * BV) * E, (C * K + C * BV) * E   # bytes a stage's boxes write: Q, K, V / K, V
     LD_STAGES, S_SLOTS, O_SLOTS, _ = smem_plan(cfg)
-    OT, SEG = cfg.o_tma, cfg.seg
+    OT, SEG, MC = cfg.o_tma, cfg.seg, cfg.mcast
     NVB = cfg.V // BV
+    CLUSTER = 2 if MC else 1   # cfg.mcast: the head's two V-block CTAs (tiles 2m, 2m + 1) are one cluster
 
     @cute.kernel
     def kernel(tmaQ: cute.CopyAtom, gQt: cute.Tensor, tmaK: cute.CopyAtom, gKt: cute.Tensor, tmaV: cute.CopyAtom,
@@ -201,10 +207,19 @@ def make_launcher(cfg):
         sVd = cute.make_tensor(sVdt.iterator, cute.select(LVdt.outer, mode=[1, 0]))       # (token, v)
         sS = cute.make_tensor(sSt.iterator, cute.select(LSt.outer, mode=[1, 0, 2]))       # (kidx, v, slot)
 
-        ld = pipeline.PipelineTmaAsync.create(
-            num_stages=LD_STAGES, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8), tx_count=TX,
-            barrier_storage=mbar, defer_sync=True)
+        if cutlass.const_expr(MC):
+            # a stage is written by both CTAs' boxes, so it is free once both CTAs' 8 consumer warps released it: each
+            # consumer warp arrives on the stage's empty barrier of both CTAs (16 arrivals per barrier)
+            ld = pipeline.PipelineTmaAsync.create(
+                num_stages=LD_STAGES, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * WG), tx_count=TX,
+                barrier_storage=mbar, cta_layout_vmnk=cute.make_layout((1, CLUSTER, 1, 1)),
+                enable_multicast_signaling=True, defer_sync=True)
+        else:
+            ld = pipeline.PipelineTmaAsync.create(
+                num_stages=LD_STAGES, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 8), tx_count=TX,
+                barrier_storage=mbar, defer_sync=True)
         sp = pipeline.PipelineAsync.create(
             num_stages=S_SLOTS, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG),
@@ -219,7 +234,12 @@ def make_launcher(cfg):
             if tidx == 0:
                 sTk[0] = cute.arch.atomic_add(mFlag.iterator.llvm_ptr, Int32(1), sem="relaxed", scope="gpu")
         cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        if cutlass.const_expr(MC):
+            # the peer's boxes and consumer arrivals reach this CTA's barriers: both CTAs' barriers are initialized first
+            cute.arch.cluster_arrive_relaxed()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
         if cutlass.const_expr(SEG):
             t0 = sTk[0]
 
@@ -237,10 +257,12 @@ def make_launcher(cfg):
                     gQ = cute.local_tile(cute.domain_offset((bos, 0), gQt[None, None, h, b]), (C, K), (None, 0))
                     gK = cute.local_tile(cute.domain_offset((bos, 0), gKt[None, None, h, b]), (C, K), (None, 0))
                     gV = cute.local_tile(cute.domain_offset((bos, 0), gVt[None, None, h, b]), (C, BV), (None, vb))
-                    tQs, tQg = cpasync.tma_partition(tmaQ, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
-                                                     cute.group_modes(gQ, 0, 2))
-                    tKs, tKg = cpasync.tma_partition(tmaK, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                                                     cute.group_modes(gK, 0, 2))
+                    # with cfg.mcast each CTA's Q and K boxes are its half of the tile's rows, written to both CTAs
+                    rank = cute.arch.block_idx_in_cluster() if cutlass.const_expr(MC) else 0
+                    tQs, tQg = cpasync.tma_partition(tmaQ, rank, cute.make_layout(CLUSTER),
+                                                     cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+                    tKs, tKg = cpasync.tma_partition(tmaK, rank, cute.make_layout(CLUSTER),
+                                                     cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
                     tVs, tVg = cpasync.tma_partition(tmaV, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
                                                      cute.group_modes(gV, 0, 2))
                     if cutlass.const_expr(SEG):
@@ -254,8 +276,13 @@ def make_launcher(cfg):
                     for c in cutlass.range(nch, unroll=1):
                         ld.producer_acquire(pst)
                         bar = ld.producer_get_barrier(pst)
-                        cute.copy(tmaQ, tQg[None, c], tQs[None, pst.index], tma_bar_ptr=bar)
-                        cute.copy(tmaK, tKg[None, c], tKs[None, pst.index], tma_bar_ptr=bar)
+                        if cutlass.const_expr(MC):
+                            MASK = cutlass.Int16(3)   # both CTAs of the cluster
+                            cute.copy(tmaQ, tQg[None, c], tQs[None, pst.index], tma_bar_ptr=bar, mcast_mask=MASK)
+                            cute.copy(tmaK, tKg[None, c], tKs[None, pst.index], tma_bar_ptr=bar, mcast_mask=MASK)
+                        else:
+                            cute.copy(tmaQ, tQg[None, c], tQs[None, pst.index], tma_bar_ptr=bar)
+                            cute.copy(tmaK, tKg[None, c], tKs[None, pst.index], tma_bar_ptr=bar)
                         cute.copy(tmaV, tVg[None, c], tVs[None, pst.index], tma_bar_ptr=bar)
                         pst.advance()
 
@@ -420,12 +447,17 @@ def make_launcher(cfg):
             if cutlass.const_expr(OT):
                 if warp == 2 * 4:
                     cute.arch.cp_async_bulk_wait_group(0)
+        if cutlass.const_expr(MC):
+            # neither CTA exits while the other may still arrive on its empty barriers
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     def tma_atoms(mQ, mK, mV, mO):
         LQ, LVt, LV, LVdt, LSt, LO = _layouts(cfg)
         op = cpasync.CopyBulkTensorTileG2SOp()
-        return (*cpasync.make_tiled_tma_atom(op, _tok_major(mQ), cute.slice_(LQ, (None, None, 0)), (C, K)),
-                *cpasync.make_tiled_tma_atom(op, _tok_major(mK), cute.slice_(LQ, (None, None, 0)), (C, K)),
+        qk = cpasync.CopyBulkTensorTileG2SMulticastOp() if MC else op
+        return (*cpasync.make_tiled_tma_atom(qk, _tok_major(mQ), cute.slice_(LQ, (None, None, 0)), (C, K), CLUSTER),
+                *cpasync.make_tiled_tma_atom(qk, _tok_major(mK), cute.slice_(LQ, (None, None, 0)), (C, K), CLUSTER),
                 *cpasync.make_tiled_tma_atom(op, _tok_major(mV), cute.slice_(LV, (None, None, 0)), (C, BV)),
                 *cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), _tok_major(mO),
                                              cute.slice_(LO, (None, None, 0)), (C, BV)))
@@ -459,6 +491,6 @@ def make_launcher(cfg):
             nctas = cutlass.min(ntiles, nsm)
         kernel(*tma_atoms(mQ, mK, mV, mO), mQ, mG, mH0, mHt, mO, mCu, None, None, scale, ntiles, Int32(0),
                Int32(1)).launch(
-            grid=[nctas, 1, 1], block=[NTHR, 1, 1], stream=stream, min_blocks_per_mp=1)
+            grid=[nctas, 1, 1], block=[NTHR, 1, 1], cluster=[CLUSTER, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     return launch

@@ -39,7 +39,9 @@ VARIANTS = {"sync-kv1": {"mma": "sync", "kv_stages": 1}, "sync-kv2": {"mma": "sy
             # the warp-specialized kernel (the default), unsplit at both bv (the split's passes normalize ws off)
             "ws-bv128": {"bv": 128, "split": 0}, "ws-bv64": {"bv": 64, "split": 0},
             "ws-persistent": {"persistent": True, "split": 0}, "ws-bv128-persistent": {"bv": 128, "persistent": True,
-                                                                                        "split": 0}}
+                                                                                        "split": 0},
+            # Q/K multicast across the head's two V-block CTAs (a cluster of 2; session 18, not yet run)
+            "ws-mcast": {"bv": 64, "mcast": True, "split": 0}}
 
 
 @pytest.fixture(params=list(VARIANTS))
