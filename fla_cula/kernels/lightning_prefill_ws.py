@@ -235,7 +235,7 @@ def make_launcher(cfg):
                 sTk[0] = cute.arch.atomic_add(mFlag.iterator.llvm_ptr, Int32(1), sem="relaxed", scope="gpu")
         cute.arch.mbarrier_init_fence()
         if cutlass.const_expr(MC):
-            # the peer's boxes and consumer arrivals reach this CTA's barriers: both CTAs' barriers are initialized first
+            # the peer's boxes and arrivals reach this CTA's barriers: both CTAs' barriers are initialized first
             cute.arch.cluster_arrive_relaxed()
             cute.arch.cluster_wait()
         else:
