@@ -489,8 +489,11 @@ def make_launcher(cfg):
         nctas = ntiles
         if cutlass.const_expr(cfg.persistent):
             nctas = cutlass.min(ntiles, nsm)
-        kernel(*tma_atoms(mQ, mK, mV, mO), mQ, mG, mH0, mHt, mO, mCu, None, None, scale, ntiles, Int32(0),
-               Int32(1)).launch(
-            grid=[nctas, 1, 1], block=[NTHR, 1, 1], cluster=[CLUSTER, 1, 1], stream=stream, min_blocks_per_mp=1)
+        k = kernel(*tma_atoms(mQ, mK, mV, mO), mQ, mG, mH0, mHt, mO, mCu, None, None, scale, ntiles, Int32(0), Int32(1))
+        if cutlass.const_expr(MC):
+            k.launch(grid=[nctas, 1, 1], block=[NTHR, 1, 1], cluster=[CLUSTER, 1, 1], stream=stream,
+                     min_blocks_per_mp=1)
+        else:
+            k.launch(grid=[nctas, 1, 1], block=[NTHR, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     return launch
