@@ -26,12 +26,11 @@ from fla_cula.jit import KernelSpec, register_kernel
 from fla_cula.kernels._dsl import DT, assume_align, sigmoid
 from fla_cula.kernels._host import FLOAT, I31, aligned, launch
 from fla_cula.kernels._tuning import TUNING
+from fla_cula.kernels.probe import LDG128, STG128  # 16-byte global loads / stores, as PTX spells them
 
 VEC = 8          # channels per thread
 THREADS = 128
 MAX_W = 8
-LDG128 = r"ld\.global(\.\w+)*\.v(4\.[bfsu]32|2\.[bfsu]64)"
-STG128 = r"st\.global(\.\w+)*\.v(4\.[bfsu]32|2\.[bfsu]64)"
 
 
 @dataclass(frozen=True)
