@@ -141,6 +141,29 @@ def capture_graph(fn) -> torch.cuda.CUDAGraph:
     return g
 
 
+def median_cell(ts: list, t_ref: float | None = None, same: bool = True) -> str:
+    """A variant-table cell: the median ms of ts, (t_ref / median)x when t_ref is given, the spread (max - min) /
+    median when above 3%, and '!' when not `same` (the variant's outputs disagree)."""
+    t = statistics.median(ts)
+    spread = (max(ts) - min(ts)) / t
+    return (f"{t:.3f}" + (f" ({t_ref / t:.2f}x)" if t_ref else "") + (f" ±{spread:.0%}" if spread > 0.03 else "")
+            + ("" if same else "!"))
+
+
+def variant_row(graphs: dict, rounds: int, same: dict) -> str:
+    """A variants-table row: every graph's replay timed `rounds` times in turn (triton do_bench, L2 flushed between
+    replays; machine drift spreads over all of them). graphs[None] is the reference (FLA), the others the variants
+    in order; same[name] False marks a variant whose outputs disagree."""
+    import triton
+    ts = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, gr in graphs.items():
+            ts[name].append(triton.testing.do_bench(gr.replay, warmup=25, rep=200))
+    t_ref = statistics.median(ts[None])
+    return f"{median_cell(ts[None]):>14} " + " ".join(f"{median_cell(ts[n], t_ref, same[n]):>20}" for n in graphs
+                                                     if n is not None)
+
+
 def route_of(op: str) -> str:
     from fla_cula import routing
     from fla_cula.kernels.registry import OPS

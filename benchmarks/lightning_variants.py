@@ -17,20 +17,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 
 import torch
 
 ROWS = ((2, 8192, 64), (1, 16384, 64), (8, 4096, 64), (16, 2048, 64), (1, 8192, 8), (1, 16384, 16), (1, 2048, 16))
 DEFAULT_VARIANTS = '{"default": {}, "kv1": {"kv_stages": 1}, "kv1_psmem": {"kv_stages": 1, "p_regs": false}}'
-
-
-def _cell(ts: list, t_ref: float | None = None, same: bool = True) -> str:
-    """Median ms of ts, (t_ref / median)x when t_ref is given, the spread when above 3%, '!' when not same."""
-    t = statistics.median(ts)
-    spread = (max(ts) - min(ts)) / t
-    return (f"{t:.3f}" + (f" ({t_ref / t:.2f}x)" if t_ref else "") + (f" ±{spread:.0%}" if spread > 0.03 else "")
-            + ("" if same else "!"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,10 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     variants = json.loads(args.variants)
     rows = [tuple(r) for r in json.loads(args.rows)] if args.rows else ROWS
 
-    import triton
     from fla.ops.lightning_attn import chunk_lightning_attn as fla_chunk
 
-    from benchmarks.harness import capture_graph
+    from benchmarks.harness import capture_graph, variant_row
     from fla_cula.kernels import lightning_prefill as lp
     from fla_cula.reference.lightning import lightning_g_gamma
 
@@ -67,14 +57,7 @@ def main(argv: list[str] | None = None) -> int:
                 graphs[name] = capture_graph(functools.partial(lp.run, q, k, v, g, scale, h0, True, None))
             finally:
                 lp.set_tuning()
-        ts = {name: [] for name in graphs}
-        for _ in range(args.rounds):
-            for name, gr in graphs.items():
-                ts[name].append(triton.testing.do_bench(gr.replay, warmup=25, rep=200))
-        t_fla = statistics.median(ts[None])
-        cells = [_cell(ts[name], t_fla, same[name]) for name in variants]
-        print(f"{B:>3} {T:>6} {H:>3} {_cell(ts[None]):>14} " + " ".join(f"{c:>20}" for c in cells),
-              flush=True)
+        print(f"{B:>3} {T:>6} {H:>3} {variant_row(graphs, args.rounds, same)}", flush=True)
     return 0
 
 

@@ -87,13 +87,21 @@ PYBIND11_MODULE(_C, m) {
           d["threads"] = s.threads;
           d["block_v"] = s.block_v;
           d["wgmma"] = s.wgmma;
+          d["pass"] = s.pass;
           d["smem_bytes"] = s.smem_bytes;
-          // mangled kda_fwd_kernel<GateForm::SigmoidLB, profile, block_v, wgmma>
-          d["symbol"] = std::string("kda_fwd_kernelILNS0_8GateFormE0ELb") + (s.profile ? "1" : "0") + "ELi" +
-                        std::to_string(s.block_v) + "ELb" + (s.wgmma ? "1" : "0") + "E";
+          // mangled kda_fwd_kernel<GateForm::SigmoidLB, profile, block_v, wgmma>, kda_prep_kernel<GateForm::SigmoidLB>,
+          // kda_state_kernel<block_v>
+          if (s.pass == fla_cula::kKdaPrep) {
+            d["symbol"] = std::string("kda_prep_kernelILNS0_8GateFormE0EE");
+          } else if (s.pass == fla_cula::kKdaState) {
+            d["symbol"] = "kda_state_kernelILi" + std::to_string(s.block_v) + "EE";
+          } else {
+            d["symbol"] = std::string("kda_fwd_kernelILNS0_8GateFormE0ELb") + (s.profile ? "1" : "0") + "ELi" +
+                          std::to_string(s.block_v) + "ELb" + (s.wgmma ? "1" : "0") + "E";
+          }
           kda_specs.append(d);
         }
-        add_family("kda_prefill", "kda_fwd_kernel", kda_specs);
+        add_family("kda_prefill", "kda_", kda_specs);
         return out;
       },
       "The C++ kernel families in this build, each with its specializations (CTA size, dynamic shared\n"

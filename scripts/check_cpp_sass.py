@@ -27,6 +27,10 @@ REQUIRED_SASS: dict[str, list[str]] = {
     # template argument true) also HGMMA. UTMALDG becomes required with TMA loads.
     r"kda_fwd_kernel": ["HMMA", "LDGSTS"],
     r"kda_fwd_kernel<.*, true>": ["HGMMA"],
+    # the two-kernel form: the prep (phases 1-6: mma.sync for Aqk / L, wgmma for -W, cp.async loads) and the state
+    # kernel (wgmma products, cp.async record loads)
+    r"kda_prep_kernel": ["HMMA", "HGMMA", "LDGSTS"],
+    r"kda_state_kernel": ["HGMMA", "LDGSTS"],
 }
 ARCH = "sm_90a"
 

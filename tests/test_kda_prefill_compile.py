@@ -234,6 +234,56 @@ def test_chunk_model_varlen_gva_state_layout(chunk):
     assert torch.equal(ht[0], h0[0]) and torch.equal(ht[2], h0[2]) and torch.equal(ht[5], h0[5])
 
 
+def _split_model(q, k, v, g, beta, h0, segs, **kw):
+    """The exact two-pass sequence split on kda_chunk_model (one sequence, fixed length): pass 1 runs each segment
+    s < P - 1 from its own start (h0 for s = 0, else 0) to its end state H_s and, for s >= 1, the same recurrence on
+    v = 0 from the identity to its transition map M_s; the combine (fla_cula's, in fp64) makes the true start states;
+    pass 2 runs every segment from its start. segs: the token bounds [(t0, t1), ...], multiples of 64."""
+    HV = v.shape[2]
+    eye = torch.eye(128).expand(1, HV, 128, 128).contiguous()
+    zero = torch.zeros(1, HV, 128, 128)
+    H, M = [], []
+    for s, (t0, t1) in enumerate(segs[:-1]):
+        sl = (slice(None), slice(t0, t1))
+        H.append(kda_chunk_model(q[sl], k[sl], v[sl], g[sl], beta[sl], initial_state=h0 if s == 0 else zero, **kw)[1])
+        if s >= 1:
+            M.append(kda_chunk_model(q[sl], k[sl], torch.zeros_like(v[sl]), g[sl], beta[sl], initial_state=eye,
+                                     **kw)[1])
+    seg_H = torch.stack(H)
+    seg_M = torch.stack(M) if M else torch.zeros(0, 1, HV, 128, 128)
+    from fla_cula.kernels.kda_prefill import combine_segments
+    combine_segments(seg_H, seg_M)
+    outs, ht = [], None
+    for s, (t0, t1) in enumerate(segs):
+        sl = (slice(None), slice(t0, t1))
+        o, ht, _, _ = kda_chunk_model(q[sl], k[sl], v[sl], g[sl], beta[sl],
+                                      initial_state=h0 if s == 0 else seg_H[s - 1], **kw)
+        outs.append(o)
+    return torch.cat(outs, 1), ht
+
+
+@pytest.mark.parametrize("gate", ["slow", "random"])
+def test_split_model_is_exact(gate):
+    """The split's numerics before any kernel: at T = 1024 (16 chunks) in 4 segments, on slow-decay gates (transition
+    maps near the identity) and random ones, o and the final state are as close to the fp64 recurrence as the
+    unsplit algorithm's (no approximation: the split only regroups the fp32 products) and within the 0.005 bar."""
+    _ext_or_skip()  # combine_segments lives in the extension's host module
+    q, k, v, g, beta, A_log, dt_bias, h0 = _inputs(1, 1024, 1, 2, gate, seed=7)
+    kw = dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, scale=128 ** -0.5)
+    o1, ht1, _, _ = kda_chunk_model(q, k, v, g, beta, initial_state=h0, **kw)
+    o2, ht2 = _split_model(q, k, v, g, beta, h0, [(0, 256), (256, 512), (512, 768), (768, 1024)], **kw)
+    o_ref, ht_ref = kda_recurrent(q, k, v, g, beta, scale=kw["scale"], initial_state=h0, output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log,
+                                  dt_bias=dt_bias, lower_bound=-5.0, use_beta_sigmoid_in_kernel=True)
+    e1 = (rel_rms(o_ref, o1), rel_rms(ht_ref, ht1))
+    e2 = (rel_rms(o_ref, o2), rel_rms(ht_ref, ht2))
+    d = (rel_rms(o1, o2), rel_rms(ht1, ht2))
+    print(f"\nsplit model {gate}: unsplit o {e1[0]:.2e} ht {e1[1]:.2e} | split o {e2[0]:.2e} ht {e2[1]:.2e} | "
+          f"split vs unsplit o {d[0]:.2e} ht {d[1]:.2e}")
+    assert max(e2) < 0.005, e2
+    assert e2[0] <= 1.1 * e1[0] and e2[1] <= 1.1 * e1[1], (e1, e2)
+
+
 # ---------------------------------------------------------------------------------------------
 # The extension and the plan (no GPU needed)
 # ---------------------------------------------------------------------------------------------
@@ -401,12 +451,16 @@ def test_sass_hmma_no_spills():
     sass = _ext.sass_opcodes(mod.__file__)
     usage = {r["symbol"]: r for r in _ext.resource_usage(mod.__file__)}
     names = _ext.demangle(list(sass))
-    kda = [s for s in sass if "kda_fwd_kernel" in names[s]]
-    assert kda, sorted(names.values())
+    kda = [s for s in sass if "kda_fwd_kernel" in names[s] or "kda_prep_kernel" in names[s]
+           or "kda_state_kernel" in names[s]]
+    assert len(kda) == 11, sorted(names.values())   # csrc/kda_sm90/kda_fwd.h kKdaFwdSpecializations
     for s in kda:
         arch, ops = sass[s]
         assert arch == "sm_90a"
-        assert any(op.startswith("HMMA") for op in ops), sorted(ops)      # mma.sync products
+        if "kda_state_kernel" not in names[s]:
+            assert any(op.startswith("HMMA") for op in ops), sorted(ops)  # mma.sync products of the prep
+        if "kda_fwd_kernel" not in names[s]:
+            assert any(op.startswith("HGMMA") for op in ops), sorted(ops)  # the two-kernel form is wgmma-only
         assert any(op.startswith("LDGSTS") for op in ops), sorted(ops)    # cp.async prefetch
         r = usage[s]
         print(f"\n{names[s][:90]}: {r['registers']} regs, stack {r['stack']}, local {r['local']}")
@@ -435,6 +489,7 @@ EMULATOR_CPP = r"""
 
 #define __global__
 #define __launch_bounds__(...)
+#define __grid_constant__
 #define __shared__
 #ifndef __forceinline__
 #define __forceinline__ inline
@@ -550,7 +605,9 @@ extern "C" int emu_smem_bytes(int block_v) {
 extern "C" void emu_run(void const* q, void const* k, void const* v, void const* g, void const* beta, int beta_fp32,
                         void const* A_log, void const* dt_bias, float const* h0, int state_v_first, void* o, float* ht,
                         void* Aqk, void* Akk, int B, int T, int N, int H, int HV, float scale, float lb, int l2,
-                        int bsig, float bscale, void const* cu, int cu64, long long* prof, int block_v, int wgmma) {
+                        int bsig, float bscale, void const* cu, int cu64, long long* prof, int block_v, int wgmma,
+                        int pass, void* rec, long long rec_slots, int cpc, int units, int maps, float* seg_H,
+                        float* seg_M) {
   KdaFwdParams p{};
   p.q = q; p.k = k; p.qk_tok_stride = int64_t(H) * 128; p.qk_head_stride = 128;
   p.v = v; p.v_tok_stride = int64_t(HV) * 128; p.v_head_stride = 128;
@@ -563,7 +620,9 @@ extern "C" void emu_run(void const* q, void const* k, void const* v, void const*
   p.B = B; p.T = T; p.N = N; p.H = H; p.HV = HV;
   p.scale = scale; p.lower_bound = lb; p.beta_scale = bscale; p.use_qk_l2norm = l2; p.use_beta_sigmoid = bsig;
   p.cu_seqlens = cu; p.cu_seqlens_int64 = cu64; p.phase_cycles = prof; p.block_v = block_v;
-  int ctas = N * HV * (128 / block_v);
+  p.pass = pass; p.rec = rec; p.rec_slots = rec_slots; p.chunks_per_cta = cpc; p.units = units; p.maps = maps;
+  p.seg_H = seg_H; p.seg_M = seg_M;
+  int ctas = pass == kKdaPrep ? N * HV * units : N * HV * (128 / block_v) * (pass == kKdaState ? units : 1);
   std::barrier<> bar(256);
   g_bar = &bar;
   std::vector<std::barrier<>*> wb;
@@ -573,10 +632,14 @@ extern "C" void emu_run(void const* q, void const* k, void const* v, void const*
     std::memset(smem_raw, 0xff, sizeof(smem_raw));  // poison: NaN-ish bf16/fp32 patterns
     std::vector<std::thread> th;
     for (int t = 0; t < 256; ++t)
-      th.emplace_back([&p, t, block_v, wgmma] {
+      th.emplace_back([&p, t, block_v, wgmma, pass] {
         threadIdx.x = t;
         constexpr auto kG = kda_sm90::GateForm::SigmoidLB;
-        if (block_v == 128) {
+        if (pass == kKdaPrep) {
+          kda_sm90::kda_prep_kernel<kG>(p);
+        } else if (pass == kKdaState) {
+          block_v == 128 ? kda_sm90::kda_state_kernel<128>(p) : kda_sm90::kda_state_kernel<64>(p);
+        } else if (block_v == 128) {
           wgmma ? kda_sm90::kda_fwd_kernel<kG, true, 128, true>(p) : kda_sm90::kda_fwd_kernel<kG, true, 128>(p);
         } else {
           wgmma ? kda_sm90::kda_fwd_kernel<kG, true, 64, true>(p) : kda_sm90::kda_fwd_kernel<kG, true, 64>(p);
@@ -611,11 +674,27 @@ def emulator(tmp_path_factory):
     return ctypes.CDLL(str(so))
 
 
-def _emulate(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bsig, neg, svf, block_v, wgmma=False):
+def _ptr(x):
     import ctypes
+    return ctypes.c_void_p(0 if x is None else x.data_ptr())
 
-    def ptr(x):
-        return ctypes.c_void_p(0 if x is None else x.data_ptr())
+
+def _emu_call(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, o, ht, Aqk, Akk, prof, *, scale, lb, l2, bsig, neg, svf,
+              block_v, wgmma, pass_=0, rec=None, cpc=0, units=1, maps=False, seg_H=None, seg_M=None):
+    import ctypes
+    ptr = _ptr
+    B, T, H, _ = q.shape
+    HV = v.shape[2]
+    N = B if cu is None else cu.shape[0] - 1
+    lib.emu_run(ptr(q), ptr(k), ptr(v), ptr(g), ptr(beta), ctypes.c_int(beta.dtype == torch.float32), ptr(A_log),
+                ptr(dt_bias), ptr(h0), ctypes.c_int(svf), ptr(o), ptr(ht), ptr(Aqk), ptr(Akk), B, T, N, H, HV,
+                ctypes.c_float(scale), ctypes.c_float(lb), int(l2), int(bsig), ctypes.c_float(2.0 if neg else 1.0),
+                ptr(cu), int(cu is not None and cu.dtype == torch.int64), ptr(prof), block_v, int(wgmma), pass_,
+                ptr(rec), ctypes.c_longlong(0 if rec is None else rec.shape[1]), cpc, units, int(maps), ptr(seg_H),
+                ptr(seg_M))
+
+
+def _emulate(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bsig, neg, svf, block_v, wgmma=False):
 
     B, T, H, _ = q.shape
     HV = v.shape[2]
@@ -625,10 +704,8 @@ def _emulate(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bs
     Aqk = torch.full((B, T, HV, 64), float("nan"), dtype=torch.bfloat16)
     Akk = torch.full((B, T, HV, 64), float("nan"), dtype=torch.bfloat16)
     prof = torch.full((N * HV * (128 // block_v), 10), -1, dtype=torch.int64)  # csrc/kda_sm90/kda_fwd.h kKdaFwdPhases
-    lib.emu_run(ptr(q), ptr(k), ptr(v), ptr(g), ptr(beta), ctypes.c_int(beta.dtype == torch.float32), ptr(A_log),
-                ptr(dt_bias), ptr(h0), ctypes.c_int(svf), ptr(o), ptr(ht), ptr(Aqk), ptr(Akk), B, T, N, H, HV,
-                ctypes.c_float(scale), ctypes.c_float(lb), int(l2), int(bsig), ctypes.c_float(2.0 if neg else 1.0),
-                ptr(cu), int(cu is not None and cu.dtype == torch.int64), ptr(prof), block_v, int(wgmma))
+    _emu_call(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, o, ht, Aqk, Akk, prof, scale=scale, lb=lb, l2=l2,
+              bsig=bsig, neg=neg, svf=svf, block_v=block_v, wgmma=wgmma)
     return o, ht, Aqk, Akk, prof
 
 
@@ -726,3 +803,92 @@ def test_kernel_source_emulated_on_cpu_matches_model(emulator, case, block_v):
     assert errs["o_model"] < 2e-3 and errs["ht_model"] < 1e-3 and errs["aqk"] < 2e-3 and errs["akk"] < 1e-3, errs
     assert errs["o_ref"] < 0.005 and errs["ht_ref"] < 0.005, errs
     assert (torch.triu(Akk[0, : min(64, Akk.shape[1]), 0].float()[:, : min(64, Akk.shape[1])], 1) == 0).all()
+
+
+def _emulate_two_kernel(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bsig, neg, svf, block_v,
+                        segments, seg_chunks=None):
+    """fla_cula's two-kernel orchestration (kda_prefill.run_two_kernel: prep, maps, combine, pass 2) with every
+    pass emulated; records poisoned (0xff) and segment states NaN before the pass that writes them."""
+    import dataclasses
+
+    from fla_cula.kernels import kda_prefill as kp
+    B, T, H, _ = q.shape
+    HV = v.shape[2]
+    N = B if cu is None else cu.shape[0] - 1
+    lens = [T] * B if cu is None else (cu[1:] - cu[:-1]).tolist()
+    plan = kp.two_kernel_plan(lens, HV, 132, segments=segments, block_v=block_v)
+    if seg_chunks is not None:
+        plan = dataclasses.replace(plan, seg_chunks=seg_chunks)
+    o = torch.full((B, T, HV, 128), float("nan"), dtype=torch.bfloat16)
+    ht = torch.full((N, HV, 128, 128), float("nan"))
+    Aqk = torch.full((B, T, HV, 64), float("nan"), dtype=torch.bfloat16)
+    Akk = torch.full((B, T, HV, 64), float("nan"), dtype=torch.bfloat16)
+
+    def launch(*, pass_kind, rec, chunks_per_cta, units, maps, seg_H, seg_M, block_v, o, ht, Aqk, Akk):
+        if pass_kind == 1:
+            rec.fill_(0xff)
+        if maps:
+            seg_H.fill_(float("nan"))
+            seg_M.fill_(float("nan"))
+        _emu_call(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, o, ht, Aqk, Akk, None, scale=scale, lb=lb, l2=l2,
+                  bsig=bsig, neg=neg, svf=svf, block_v=block_v, wgmma=True, pass_=pass_kind, rec=rec,
+                  cpc=chunks_per_cta, units=units, maps=maps, seg_H=seg_H, seg_M=seg_M)
+
+    kp.run_two_kernel(launch, N, HV, kp.record_slots(B, T, N), "cpu", plan, o, ht, Aqk, Akk)
+    return o, ht, Aqk, Akk
+
+
+@pytest.mark.parametrize("block_v", [64, 128])
+@pytest.mark.parametrize("case", ["fixed-tail-svf", "varlen-gva-empty"])
+def test_two_kernel_emulated_same_bits_as_fused(emulator, case, block_v):
+    """Prep kernel + state kernel over whole sequences (no split) against the fused wgmma kernel, all emulated: the
+    records carry the fused kernel's own bf16 / fp32 tiles, so o, the final state, Aqk and Akk are bit-identical; a
+    tile copied to the wrong place, a record slot shared by two chunks or a missed chunk is not."""
+    _ext_or_skip()
+    args, kw = _emulator_case(case)
+    ref = _emulate(emulator, *args, block_v=block_v, wgmma=True, **kw)[:4]
+    got = _emulate_two_kernel(emulator, *args, block_v=block_v, segments=1, **kw)
+    for name, a, b in zip(("o", "ht", "Aqk", "Akk"), ref, got, strict=True):
+        assert not b.isnan().any() and torch.equal(a, b), name
+
+
+def _split_case(case):
+    q, k, v, g, beta, A_log, dt_bias, _ = _inputs(1, 340, 1, 2, "slow" if "slow" in case else "random", seed=11)
+    h0 = torch.randn(4 if "varlen" in case else 1, 2, 128, 128, generator=torch.Generator().manual_seed(12)) * 0.5
+    kw = dict(scale=128 ** -0.5, lb=-5.0, l2=True, bsig=True, neg=False, svf=False)
+    if "varlen" in case:  # an empty sequence, 4, 3 and 1 chunks: segments past a sequence's end are empty
+        cu = torch.tensor([0, 0, 200, 330, 340], dtype=torch.int32)
+        return (q, k, v, g, beta, A_log, dt_bias, h0, cu), kw
+    return (q, k, v, g, beta, A_log, dt_bias, h0, None), kw
+
+
+@pytest.mark.parametrize("case, segments, seg_chunks, block_v", [
+    ("fixed-slow", 3, 2, 64),        # 6 chunks (a tail): three segments of 2
+    ("fixed-random", 4, 1, 128),     # four segments of 1, the last taking the remaining 3
+    ("varlen-slow", 3, 1, 64),       # per sequence 0 / 3 / 3 / 1 segments in use of 3 (empty maps: (I, 0))
+    ("varlen-random", 2, 2, 128),
+])
+def test_split_emulated_matches_fused_and_fp64(emulator, case, segments, seg_chunks, block_v):
+    """The exact sequence split, every pass emulated (prep, maps, fla_cula's combine, pass 2): o and the final state
+    within the 0.005 bar of the fp64 recurrence and as close to it as the fused kernel, on slow-decay gates (maps near
+    the identity) and random ones, fixed length with a tail and varlen with empty segments; Aqk / Akk (the prep's)
+    bit-identical to the fused kernel's."""
+    _ext_or_skip()
+    (q, k, v, g, beta, A_log, dt_bias, h0, cu), kw = _split_case(case)
+    args = (q, k, v, g, beta, A_log, dt_bias, h0, cu)
+    ref = _emulate(emulator, *args, block_v=block_v, wgmma=True, **kw)[:4]
+    got = _emulate_two_kernel(emulator, *args, block_v=block_v, segments=segments, seg_chunks=seg_chunks, **kw)
+    o_ref, ht_ref = kda_recurrent(q, k, v, g, beta, scale=kw["scale"], initial_state=h0, output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log,
+                                  dt_bias=dt_bias, lower_bound=kw["lb"], use_beta_sigmoid_in_kernel=True,
+                                  cu_seqlens=cu)
+    for x in got:
+        assert not x.isnan().any()
+    assert torch.equal(ref[2], got[2]) and torch.equal(ref[3], got[3])
+    ef = (rel_rms(o_ref, ref[0].float()), rel_rms(ht_ref, ref[1]))
+    es = (rel_rms(o_ref, got[0].float()), rel_rms(ht_ref, got[1]))
+    d = (rel_rms(ref[0].float(), got[0].float()), rel_rms(ref[1], got[1]))
+    print(f"\n{case} P={segments}: fused o {ef[0]:.2e} ht {ef[1]:.2e} | split o {es[0]:.2e} ht {es[1]:.2e} | "
+          f"split vs fused o {d[0]:.2e} ht {d[1]:.2e}")
+    assert max(es) < 0.005, es
+    assert es[0] <= 1.1 * ef[0] and es[1] <= 1.1 * ef[1], (ef, es)

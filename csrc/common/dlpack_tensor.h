@@ -38,6 +38,7 @@ constexpr int kMaxTensorDims = 8;
 
 // DLPack dtypes by name, for expect_dtype.
 namespace dtype {
+constexpr DLDataType kUInt8{kDLUInt, 8, 1};
 constexpr DLDataType kInt32{kDLInt, 32, 1};
 constexpr DLDataType kInt64{kDLInt, 64, 1};
 constexpr DLDataType kFloat16{kDLFloat, 16, 1};

@@ -1,7 +1,6 @@
-// Launcher of the fused KDA prefill forward v1: size checks, device, shared-memory opt-in, launch.
-// Instantiations: the bounded sigmoid gate, 64 or 128 V columns per CTA, without and with the phase_cycles
-// instrumentation; the softplus and precomputed gate forms of v2 are further GateForm values, one .cu each
-// when they come.
+// Launcher of the KDA prefill forward: size checks, device, shared-memory opt-in, launch. Instantiations: the fused
+// kernel with the bounded sigmoid gate, 64 or 128 V columns per CTA, mma.sync or wgmma, without and with the
+// phase_cycles instrumentation; the two-kernel form's prep kernel and its state kernel at 64 and 128 columns.
 #include "kda_sm90/kda_fwd.h"
 
 #include <cuda_runtime_api.h>
@@ -18,32 +17,47 @@ namespace {
 
 constexpr int kMaxDevices = 64;
 
-template <kda_sm90::GateForm kGate, bool kProfile, int kBV, bool kWgmma>
-void launch(KdaFwdParams const& a) {
-  auto* kernel = kda_sm90::kda_fwd_kernel<kGate, kProfile, kBV, kWgmma>;
-  constexpr int smem = kda_sm90::kSmemBytes<kBV, kWgmma>;
+// One launch of `kernel` (its dynamic shared memory opted in once per device) on `ctas` CTAs.
+template <auto kKernel, int kSmem>
+void launch(KdaFwdParams const& a, int64_t ctas, char const* name) {
   static std::atomic<bool> opted_in[kMaxDevices];
   FLA_CULA_REQUIRE(a.device >= 0 && a.device < kMaxDevices, "kda_fwd: device ordinal out of range");
   if (!opted_in[a.device].load(std::memory_order_acquire)) {
-    FLA_CULA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    FLA_CULA_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     opted_in[a.device].store(true, std::memory_order_release);
   }
-  int64_t const ctas = int64_t(a.N) * a.HV * (128 / kBV);
-  kernel<<<dim3(unsigned(ctas)), kda_sm90::kThreads, smem, static_cast<cudaStream_t>(a.stream)>>>(a);
-  FLA_CULA_CHECK_LAUNCH("kda_fwd_kernel");
+  kKernel<<<dim3(unsigned(ctas)), kda_sm90::kThreads, kSmem, static_cast<cudaStream_t>(a.stream)>>>(a);
+  cudaError_t const err = cudaGetLastError();
+  if (err != cudaSuccess) throw_cuda_error(err, (std::string("launch of ") + name).c_str(), __FILE__, __LINE__);
+}
+
+template <kda_sm90::GateForm kGate, bool kProfile, int kBV, bool kWgmma>
+void launch_fused(KdaFwdParams const& a, int64_t ctas) {
+  launch<kda_sm90::kda_fwd_kernel<kGate, kProfile, kBV, kWgmma>, kda_sm90::kSmemBytes<kBV, kWgmma>>(a, ctas,
+                                                                                                  "kda_fwd_kernel");
+}
+
+// CTAs of a pass: fused N * HV * V blocks; prep N * HV * units; state N * HV * V blocks * units
+int64_t pass_ctas(KdaFwdParams const& a) {
+  int64_t const pairs = int64_t(a.N) * a.HV;
+  if (a.pass == kKdaPrep) return pairs * a.units;
+  return pairs * (128 / a.block_v) * (a.pass == kKdaState ? a.units : 1);
 }
 
 }  // namespace
 
 KdaFwdSpecialization const kKdaFwdSpecialization[kKdaFwdSpecializations] = {
-    {"sigmoid_lb", false, kda_sm90::kThreads, 64, false, kda_sm90::kSmemBytes<64>},
-    {"sigmoid_lb", true, kda_sm90::kThreads, 64, false, kda_sm90::kSmemBytes<64>},
-    {"sigmoid_lb", false, kda_sm90::kThreads, 128, false, kda_sm90::kSmemBytes<128>},
-    {"sigmoid_lb", true, kda_sm90::kThreads, 128, false, kda_sm90::kSmemBytes<128>},
-    {"sigmoid_lb", false, kda_sm90::kThreads, 64, true, kda_sm90::kSmemBytes<64, true>},
-    {"sigmoid_lb", true, kda_sm90::kThreads, 64, true, kda_sm90::kSmemBytes<64, true>},
-    {"sigmoid_lb", false, kda_sm90::kThreads, 128, true, kda_sm90::kSmemBytes<128, true>},
-    {"sigmoid_lb", true, kda_sm90::kThreads, 128, true, kda_sm90::kSmemBytes<128, true>},
+    {"sigmoid_lb", false, kda_sm90::kThreads, 64, false, kKdaFused, kda_sm90::kSmemBytes<64>},
+    {"sigmoid_lb", true, kda_sm90::kThreads, 64, false, kKdaFused, kda_sm90::kSmemBytes<64>},
+    {"sigmoid_lb", false, kda_sm90::kThreads, 128, false, kKdaFused, kda_sm90::kSmemBytes<128>},
+    {"sigmoid_lb", true, kda_sm90::kThreads, 128, false, kKdaFused, kda_sm90::kSmemBytes<128>},
+    {"sigmoid_lb", false, kda_sm90::kThreads, 64, true, kKdaFused, kda_sm90::kSmemBytes<64, true>},
+    {"sigmoid_lb", true, kda_sm90::kThreads, 64, true, kKdaFused, kda_sm90::kSmemBytes<64, true>},
+    {"sigmoid_lb", false, kda_sm90::kThreads, 128, true, kKdaFused, kda_sm90::kSmemBytes<128, true>},
+    {"sigmoid_lb", true, kda_sm90::kThreads, 128, true, kKdaFused, kda_sm90::kSmemBytes<128, true>},
+    {"sigmoid_lb", false, kda_sm90::kThreads, 0, true, kKdaPrep, kda_sm90::kSmemBytes<64, true>},
+    {"none", false, kda_sm90::kThreads, 64, true, kKdaState, kda_sm90::kSmemBytes<64, true>},
+    {"none", false, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kSmemBytes<128, true>},
 };
 
 void run_kda_fwd(KdaFwdParams const& a) {
@@ -55,18 +69,36 @@ void run_kda_fwd(KdaFwdParams const& a) {
                        std::to_string(a.lower_bound));
   FLA_CULA_REQUIRE(a.block_v == 64 || a.block_v == 128,
                    "kda_fwd: expected block_v 64 or 128, got " + std::to_string(a.block_v));
-  int64_t const ctas = int64_t(a.N) * a.HV * (128 / a.block_v);
-  FLA_CULA_REQUIRE(ctas < (int64_t(1) << 31), "kda_fwd: too many (sequence, head) pairs: " + std::to_string(ctas));
-  FLA_CULA_REQUIRE(a.q && a.k && a.v && a.g && a.beta && a.o, "kda_fwd: null device pointer");
+  FLA_CULA_REQUIRE(a.pass == kKdaFused || a.pass == kKdaPrep || a.pass == kKdaState,
+                   "kda_fwd: expected pass 0 (fused), 1 (prep) or 2 (state), got " + std::to_string(a.pass));
+  FLA_CULA_REQUIRE(a.pass == kKdaFused || (a.wgmma && a.rec != nullptr && a.units >= 1 && a.phase_cycles == nullptr),
+                   "kda_fwd: the prep / state passes need wgmma, records and units >= 1, and have no phase timer");
+  int64_t const ctas = pass_ctas(a);
+  FLA_CULA_REQUIRE(ctas < (int64_t(1) << 31), "kda_fwd: too many CTAs: " + std::to_string(ctas));
+  FLA_CULA_REQUIRE(a.q && a.k && a.v && a.g && a.beta && (a.o || a.pass == kKdaPrep || a.maps),
+                   "kda_fwd: null device pointer");
   if (ctas == 0) return;
   DeviceGuard guard(a.device);
   require_compute_capability(a.device, 9, 0, "kda_fwd");
+  constexpr auto kG = kda_sm90::GateForm::SigmoidLB;
+  if (a.pass == kKdaPrep) {
+    launch<kda_sm90::kda_prep_kernel<kG>, kda_sm90::kSmemBytes<64, true>>(a, ctas, "kda_prep_kernel");
+    return;
+  }
+  if (a.pass == kKdaState) {
+    if (a.block_v == 128) {
+      launch<kda_sm90::kda_state_kernel<128>, kda_sm90::kSmemBytes<128, true>>(a, ctas, "kda_state_kernel");
+    } else {
+      launch<kda_sm90::kda_state_kernel<64>, kda_sm90::kSmemBytes<64, true>>(a, ctas, "kda_state_kernel");
+    }
+    return;
+  }
   FLA_CULA_BOOL_SWITCH(a.phase_cycles != nullptr, kProfile, [&] {
     FLA_CULA_BOOL_SWITCH(a.wgmma, kWgmma, [&] {
       if (a.block_v == 128) {
-        launch<kda_sm90::GateForm::SigmoidLB, kProfile, 128, kWgmma>(a);
+        launch_fused<kG, kProfile, 128, kWgmma>(a, ctas);
       } else {
-        launch<kda_sm90::GateForm::SigmoidLB, kProfile, 64, kWgmma>(a);
+        launch_fused<kG, kProfile, 64, kWgmma>(a, ctas);
       }
     });
   });

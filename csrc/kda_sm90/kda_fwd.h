@@ -7,7 +7,9 @@
 // bounded sigmoid gate a = lb * sigmoid(exp(A_log) * (g + dt_bias)) fused; integer-anchored gate factors
 // (1.3); Aqk and L on mma.sync m16n8k16 bf16; (I + L)^-1 in fp32 (blocked forward substitution, 1.4); the
 // WY products V' = U - W S, O = Qg S + Aqk V', S = diag(gamma) S + Kd^T V' on mma.sync (1.5), or with
-// Params::wgmma on SM90 warpgroup MMA (docs/kda_sm90.md "Steps 1 and 2 as built").
+// Params::wgmma on SM90 warpgroup MMA (docs/kda_sm90.md "Steps 1 and 2 as built"). Params::pass selects the fused
+// kernel or one of the two-kernel form's (a chunk-parallel prep writing records, then a state pass over whole
+// sequences or the segments of the exact sequence split; docs/kda_sm90.md "Two kernels and the exact sequence split").
 #pragma once
 
 #include <cstdint>
@@ -50,26 +52,48 @@ struct KdaFwdParams {
   bool cu_seqlens_int64;
   int block_v;  // V columns per CTA: 64 (N*HV*2 CTAs) or 128 (N*HV CTAs, the K-side prep done once per pair)
   bool wgmma;   // the state-side products of phases 6-8 (-W, V', O, S) on wgmma instead of mma.sync
+  // ---- the two-kernel form (docs/kda_sm90.md "Two kernels and the exact sequence split"; pass != kFused needs wgmma)
+  int pass;             // KdaPass: kFused (one kernel), kPrep (chunk-parallel prep, records out), kState (records in)
+  void* rec;            // records [HV][rec_slots][kKdaRecBytes]: the chunk's wgmma operand tiles as shared-memory
+                        // images; chunk c of sequence n is slot floor(bos_n / 64) + n + c (disjoint for every layout)
+  int64_t rec_slots;    // slots per value head: >= B * T / 64 + N
+  int chunks_per_cta;   // kPrep: chunks per CTA; kState: chunks per segment (0: the whole sequence, units = 1)
+  int units;            // CTAs per (sequence, value head[, V block]) along the sequence: kPrep chunk blocks; kState
+                        // segments P, or 2 P - 3 with maps
+  bool maps;            // kState pass 1: no o; unit s < P - 1 writes segment s's end state from its start state (h0
+                        // for s = 0, else 0) to seg_H[s]; unit P - 1 + m writes the transition map of segment
+                        // m + 1 (v = 0 from the identity) to seg_M[m]. Without maps, segment s >= 1 starts from
+                        // seg_H[s - 1] (the host's combine has made it the state at the segment's start)
+  float* seg_H;         // [P-1][N*HV][128][128] fp32, K-major (row = key channel)
+  float* seg_M;         // [P-2][N*HV][128][128] fp32, K-major: S_end = M S_start + H
   int device;   // CUDA ordinal of every tensor
   void* stream; // cudaStream_t of the caller on that device
 };
+
+enum KdaPass : int { kKdaFused = 0, kKdaPrep = 1, kKdaState = 2 };
+// One record: -(X diag b) in order akkb [64][64], -W [64][128], Qg [64][128] (group A, read by V' and Qg S), then
+// Aqk [64][64], Kd^T [128][64] bf16 and gamma [128] fp32 (group B, read by Aqk V' and the state update); every tile in
+// its 128-byte-swizzled wgmma layout (sw128 / sw128k in kda_fwd_kernel.cuh).
+constexpr int kKdaRecGroupA = (64 * 64 + 2 * 64 * 128) * 2;
+constexpr int kKdaRecBytes = kKdaRecGroupA + (64 * 64 + 128 * 64) * 2 + 128 * 4;
 
 // Enqueues the forward on params.stream; never synchronizes. std::invalid_argument for bad sizes,
 // std::runtime_error for CUDA failures.
 void run_kda_fwd(KdaFwdParams const& params);
 
-// The compiled specializations, for fla_cula info / the SASS check: the symbol contains
-// "kda_fwd_kernel" (demangled: kda_fwd_kernel<(GateForm)0, false, 64>; profile = true is taken only when
-// phase_cycles is given).
+// The compiled specializations, for fla_cula info / the SASS check: the symbol contains "kda_fwd_kernel"
+// (demangled: kda_fwd_kernel<(GateForm)0, false, 64, true>; profile = true is taken only when phase_cycles is
+// given), "kda_prep_kernel" or "kda_state_kernel".
 struct KdaFwdSpecialization {
   char const* gate;  // gate form
   bool profile;      // phase_cycles instrumentation compiled in
   int threads;
   int block_v;       // V columns per CTA
   bool wgmma;        // phases 6-8 on wgmma (Params::wgmma)
+  int pass;          // KdaPass: the fused kernel, the prep kernel (block_v 0: no state) or the state kernel
   int smem_bytes;    // dynamic shared memory per CTA
 };
-constexpr int kKdaFwdSpecializations = 8;
+constexpr int kKdaFwdSpecializations = 11;
 
 // Phases of a chunk timed by phase_cycles, in order: gate + block scan, scan offsets + anchors + rstd,
 // anchored factors (+ block scalars), Aqk+L,

@@ -60,7 +60,8 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
                  py::handle A_log_obj, py::handle dt_bias_obj, py::handle h0_obj, py::handle cu_obj, py::handle o_obj,
                  py::handle ht_obj, py::handle Aqk_obj, py::handle Akk_obj, double scale, double lower_bound,
                  bool use_qk_l2norm, bool use_beta_sigmoid, double beta_scale, bool state_v_first,
-                 int block_v, py::handle phase_cycles_obj, bool wgmma) {
+                 int block_v, py::handle phase_cycles_obj, bool wgmma, int pass, py::handle rec_obj,
+                 int chunks_per_cta, int units, bool maps, py::handle seg_H_obj, py::handle seg_M_obj) {
   TensorArg q = tensor_arg(q_obj, "q");
   expect_dtype(q, {dtype::kBFloat16});
   expect_ndim(q, 4);
@@ -113,8 +114,27 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
     expect_tensor(h0, {dtype::kFloat32}, state_shape, state_what, &q);
     p.h0 = h0.ptr<float>();
   }
-  TensorArg o = tensor_arg(o_obj, "o");
-  expect_tensor(o, {dtype::kBFloat16}, {B, T, HV, kHeadDim}, "(B, T, HV, 128)", &q, 4);
+  if (pass != kKdaFused && pass != kKdaPrep && pass != kKdaState) {
+    throw py::value_error("pass: expected 0 (fused), 1 (prep) or 2 (state), got " + std::to_string(pass));
+  }
+  bool const two_kernel = pass != kKdaFused;
+  if (!two_kernel && (!rec_obj.is_none() || maps || !seg_H_obj.is_none() || !seg_M_obj.is_none())) {
+    throw py::value_error("rec, maps, seg_H, seg_M: expected none of them with pass 0 (the fused kernel)");
+  }
+  // o: every pass that writes outputs (the fused kernel, the state kernel's pass 2); the prep and maps passes take None
+  bool const needs_o = pass == kKdaFused || (pass == kKdaState && !maps);
+  if (needs_o == o_obj.is_none()) {
+    throw py::value_error(std::string("o: expected ") + (needs_o ? "a tensor" : "None") + " with pass " +
+                          std::to_string(pass) + (maps ? " and maps" : ""));
+  }
+  if (needs_o) {
+    TensorArg o = tensor_arg(o_obj, "o");
+    expect_tensor(o, {dtype::kBFloat16}, {B, T, HV, kHeadDim}, "(B, T, HV, 128)", &q, 4);
+    p.o = o.data;
+  }
+  if (!ht_obj.is_none() && (pass == kKdaPrep || maps)) {
+    throw py::value_error("final_state: expected None with the prep pass or the maps pass");
+  }
   if (!ht_obj.is_none()) {
     TensorArg ht = tensor_arg(ht_obj, "final_state");
     expect_tensor(ht, {dtype::kFloat32}, state_shape, state_what, &q);
@@ -122,6 +142,9 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
   }
   if (Aqk_obj.is_none() != Akk_obj.is_none()) {
     throw py::value_error("Aqk, Akk: expected both or neither (grad extras)");
+  }
+  if (!Aqk_obj.is_none() && pass == kKdaState) {
+    throw py::value_error("Aqk, Akk: expected None with the state pass (the prep pass writes them)");
   }
   if (!Aqk_obj.is_none()) {
     TensorArg Aqk = tensor_arg(Aqk_obj, "Aqk");
@@ -136,6 +159,67 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
   }
   p.block_v = block_v;
   p.wgmma = wgmma;
+  if (two_kernel) {
+    if (!wgmma) throw py::value_error("wgmma: expected True with pass " + std::to_string(pass) + " (wgmma tile records)");
+    if (!phase_cycles_obj.is_none()) throw py::value_error("phase_cycles: expected None with pass " + std::to_string(pass));
+    if (units < 1) throw py::value_error("units: expected >= 1, got " + std::to_string(units));
+    if (chunks_per_cta < 0 || (chunks_per_cta == 0 && units != 1)) {
+      throw py::value_error("chunks_per_cta: expected > 0, or 0 (whole sequences) with units = 1, got " +
+                            std::to_string(chunks_per_cta) + " with units = " + std::to_string(units));
+    }
+    TensorArg rec = tensor_arg(rec_obj, "rec");
+    expect_dtype(rec, {dtype::kUInt8});
+    expect_ndim(rec, 3);
+    int64_t const min_slots = B * T / kChunk + N;
+    if (rec.size(0) != HV || rec.size(1) < min_slots || rec.size(2) != kKdaRecBytes) {
+      throw py::value_error("rec: expected shape (HV, >= B * T / 64 + N, " + std::to_string(kKdaRecBytes) + ") = (" +
+                            std::to_string(HV) + ", >= " + std::to_string(min_slots) + ", " +
+                            std::to_string(kKdaRecBytes) + "), got " + rec.shape_str());
+    }
+    expect_contiguous(rec);
+    expect_same_device(rec, q);
+    p.rec = rec.data;
+    p.rec_slots = rec.size(1);
+    // segment states: maps writes seg_H [P-1] and seg_M [P-2] (units = 2 P - 3); pass 2 of a split (units = P > 1)
+    // reads seg_H [P-1]
+    int64_t P = 1;
+    if (pass == kKdaState && maps) {
+      if (units % 2 == 0) throw py::value_error("units: expected 2 P - 3 (odd) with maps, got " + std::to_string(units));
+      P = (units + 3) / 2;
+    } else if (pass == kKdaState) {
+      P = units;
+    } else if (maps) {
+      throw py::value_error("maps: expected False with the prep pass");
+    }
+    if (pass == kKdaState && P > 1 && chunks_per_cta == 0) {
+      throw py::value_error("chunks_per_cta: expected > 0 for a split state pass, got 0");
+    }
+    // a segment-state buffer of `slots` segments: None (or an empty tensor) when there are none
+    auto seg_state = [&](py::handle obj, char const* name, int64_t slots) -> float* {
+      if (slots == 0) {
+        if (!obj.is_none() && tensor_arg(obj, name).numel() != 0) {
+          throw py::value_error(std::string(name) + ": expected None (no segment states here)");
+        }
+        return nullptr;
+      }
+      if (obj.is_none()) {
+        throw py::value_error(std::string(name) + ": expected a tensor of " + std::to_string(slots) + " segments");
+      }
+      TensorArg t = tensor_arg(obj, name);
+      std::string const what = "(" + std::to_string(slots) + " segments, N, HV, 128, 128)";
+      expect_tensor(t, {dtype::kFloat32}, {slots, N, HV, kHeadDim, kHeadDim}, what.c_str(), &q);
+      return t.ptr<float>();
+    };
+    p.seg_H = seg_state(seg_H_obj, "seg_H", pass == kKdaState ? P - 1 : 0);
+    p.seg_M = seg_state(seg_M_obj, "seg_M", pass == kKdaState && maps ? P - 2 : 0);
+    if (maps && block_v != 128) {
+      throw py::value_error("block_v: expected 128 with maps (a map is 128 x 128), got " + std::to_string(block_v));
+    }
+  }
+  p.pass = pass;
+  p.chunks_per_cta = chunks_per_cta;
+  p.units = units;
+  p.maps = maps;
   if (!phase_cycles_obj.is_none()) {
     TensorArg pc = tensor_arg(phase_cycles_obj, "phase_cycles");
     expect_tensor(pc, {dtype::kInt64}, {N * HV * (kHeadDim / block_v), kKdaFwdPhases},
@@ -166,7 +250,6 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
   p.beta_fp32 = beta.dtype == dtype::kFloat32;
   p.beta_tok_stride = HV;
   p.state_v_first = state_v_first;
-  p.o = o.data;
   p.o_tok_stride = HV * kHeadDim;
   p.o_head_stride = kHeadDim;
   p.extras_tok_stride = HV * kChunk;
@@ -196,6 +279,8 @@ void register_kda_fwd(py::module_& m) {
         py::arg("final_state"), py::arg("Aqk"), py::arg("Akk"), py::arg("scale"), py::arg("lower_bound"),
         py::arg("use_qk_l2norm"), py::arg("use_beta_sigmoid"), py::arg("beta_scale"), py::arg("state_v_first"),
         py::arg("block_v") = 64, py::arg("phase_cycles") = py::none(), py::arg("wgmma") = false,
+        py::arg("pass_kind") = 0, py::arg("rec") = py::none(), py::arg("chunks_per_cta") = 0, py::arg("units") = 1,
+        py::arg("maps") = false, py::arg("seg_H") = py::none(), py::arg("seg_M") = py::none(),
         "Enqueue the fused KDA prefill forward v1 (csrc/kda_sm90/kda_fwd.h) on the current stream of q's device:\n"
         "bf16 q, k [B,T,H,128], v, raw gate g [B,T,HV,128], raw beta [B,T,HV] (bf16/fp32); gate\n"
         "a = lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) (A_log [HV], dt_bias [HV*128] or None);\n"
@@ -207,9 +292,15 @@ void register_kda_fwd(py::module_& m) {
         "mma.sync (same math; fp32 accumulation order inside the tensor core may differ).\n"
         "phase_cycles (int64 [N*HV*128/block_v, KDA_FWD_PHASES] or None): per CTA, clock64 cycles of each phase\n"
         "summed over its chunks (KDA_FWD_PHASE_NAMES).\n"
+        "pass_kind 1 / 2: the two-kernel form (wgmma only). 1 (prep): chunks_per_cta chunks per CTA, units CTAs per\n"
+        "(sequence, value head), writes rec (uint8 [HV, >= B*T/64 + N, KDA_REC_BYTES]) and Aqk/Akk when given; o and\n"
+        "final_state None. 2 (state): reads rec; units = P segments of chunks_per_cta chunks (P = 1, chunks_per_cta 0:\n"
+        "whole sequences), segment s > 0 starting from seg_H[s - 1]; maps=True: pass 1 of the split (units = 2 P - 3,\n"
+        "block_v 128, o None), writing seg_H [P-1, N, HV, 128, 128] and seg_M [P-2, ...] (K-major, fp32).\n"
         "TypeError / ValueError for bad arguments (before any CUDA call), RuntimeError for CUDA errors.\n"
         "Does not synchronize.");
   m.attr("KDA_FWD_PHASES") = kKdaFwdPhases;
+  m.attr("KDA_REC_BYTES") = kKdaRecBytes;
   m.attr("KDA_FWD_PHASE_NAMES") = py::make_tuple("gate + block scan", "scan offsets + anchors + rstd",
                                                  "anchored factors", "Aqk+L", "state factors", "inverse", "-W",
                                                  "V' + Qg S", "Aqk V' + state", "v store + load wait");

@@ -20,6 +20,11 @@
 //   7 V' = (X diag b) V + (-W) bf16(S);  O = Qg bf16(S)
 //   8 O += Aqk V' (stored, rows < L); S = diag(gamma) S + Kd^T V' (accumulators); bf16(S)^T for chunk+1
 //   9 v^T and beta of chunk + 1 from registers to smem; wait for its cp.async copies (q, k, g)
+// The two-kernel form runs the same body in two kernels (kPass): kda_prep_kernel does 1-6 chunk-parallel (CTA = (n,
+// hv, block of chunks); no state) and copies each chunk's phase-7/8 operand tiles to a record in global memory;
+// kda_state_kernel loads them (cp.async, two commit groups a chunk ahead) and does 7-8 over a sequence or one segment
+// of it (the exact sequence split: Params::maps, seg_H, seg_M; docs/kda_sm90.md "Two kernels and the exact sequence
+// split").
 // Every exponent formed is <= 0 except the block scalars 2^(A_r - B_s) <= 2^118 for lb >= -5
 // (docs/kda_sm90.md 1.3): nothing overflows. Products are warp-level mma.sync m16n8k16 over smem tiles
 // (warp_mma_tn); with kWgmma those of phases 6-8 are warpgroup MMAs (wg_mma_tn) over 128-byte-swizzled tiles.
@@ -94,7 +99,7 @@ struct SharedStorage {
   float beta[kC];
   float rstd_q[kC];
   float rstd_k[kC];
-  float gamma[kK];
+  alignas(16) float gamma[kK];               // (a record's last tile)
   long long prof[kKdaFwdPhases];             // phase_cycles accumulators (thread 0)
   long long prof_mark;                       // clock64 at the last phase boundary (thread 0)
   float dtb[kK];                             // dt_bias of this value head (0 when absent)
@@ -321,10 +326,39 @@ __device__ __forceinline__ void cp_async_wait_all() {
 #endif
 }
 
-// kProfile: the phase_cycles instrumentation is compiled in (a separate instantiation, so the timed-off
-// kernel keeps its registers and schedule).
-template <GateForm kGate, bool kProfile, int kBV, bool kWgmma = false>
-__global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const p) {
+// The copies this thread issued since its last commit become one group.
+__device__ __forceinline__ void cp_async_commit() {
+#ifndef FLA_CULA_KDA_HOST_EMULATION
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Wait until at most N of this thread's committed groups are pending (groups complete in commit order).
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() {
+#ifndef FLA_CULA_KDA_HOST_EMULATION
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// This thread's shared-memory writes through the generic proxy (st.shared, stmatrix, cp.async) become visible to
+// the async proxy (wgmma operand reads) after the next barrier.
+__device__ __forceinline__ void fence_async_shared() {
+#ifndef FLA_CULA_KDA_HOST_EMULATION
+  cutlass::arch::fence_view_async_shared();
+#endif
+}
+
+// Byte offsets of a record's tiles (kda_fwd.h kKdaRecBytes): group A = [kRecAkkb, kKdaRecGroupA), group B the rest.
+constexpr int kRecAkkb = 0, kRecWn = kRecAkkb + kC * kC * 2, kRecQg = kRecWn + kC * kK * 2;
+constexpr int kRecAqk = kRecQg + kC * kK * 2, kRecKdT = kRecAqk + kC * kC * 2, kRecGamma = kRecKdT + kK * kC * 2;
+static_assert(kRecAqk == kKdaRecGroupA && kRecGamma + kK * 4 == kKdaRecBytes, "record layout");
+
+// The kernels' body (they follow it). kProfile: the phase_cycles instrumentation is compiled in (a separate
+// instantiation, so the timed-off kernel keeps its registers and schedule). kPass: kKdaFused runs every phase of every
+// chunk; kKdaPrep phases 1-6 (no state: chunk-parallel) and writes records; kKdaState reads them and runs 7-8.
+template <GateForm kGate, bool kProfile, int kBV, bool kWgmma, KdaPass kPass>
+__device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   static_assert(kBV == 64 || kBV == 128, "V columns per CTA: 64 or 128");
   constexpr int kVBlocks = kK / kBV;
   constexpr int kNS = kBV / 8;   // n-tiles of 8 columns of the state rows a warp owns
@@ -384,11 +418,38 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
                         pack_bf16(s[nt + 1][2], s[nt + 1][3]));
     }
   };
-  int const vb = blockIdx.x % kVBlocks;
-  int const hv = (blockIdx.x / kVBlocks) % p.HV;
-  int const n = blockIdx.x / (kVBlocks * p.HV);
+  // ---- which CTA: (n, hv[, unit][, vb]); vb fastest (the V blocks of a pair share its prep / records in L2)
+  int vb = 0, hv, n, unit = 0;
+  {
+    int x = blockIdx.x;
+    if constexpr (kPass != kKdaPrep) {
+      vb = x % kVBlocks;
+      x /= kVBlocks;
+    }
+    hv = x % p.HV;
+    x /= p.HV;
+    if constexpr (kPass != kKdaFused) {
+      unit = x % p.units;
+      x /= p.units;
+    }
+    n = x;
+  }
   int const h = hv / (p.HV / p.H);
   int const col0 = vb * kBV;
+  // kState: the segment and whether this CTA carries a transition map (maps pass: units = 2 P - 3)
+  int seg = unit;
+  bool mmap = false;
+  if constexpr (kPass == kKdaState) {
+    if (p.maps) {
+      int const P = (p.units + 3) / 2;
+      if (unit >= P - 1) {
+        mmap = true;
+        seg = unit - (P - 1) + 1;
+      }
+    }
+  }
+  bool const with_o = kPass == kKdaFused || (kPass == kKdaState && !p.maps);  // runtime only in kState
+  bool const with_v = kPass == kKdaFused || (kPass == kKdaState && !mmap);
 
   // sequence bounds in the flattened token index (clamped: a malformed cu_seqlens never reads outside)
   int64_t const total = int64_t(p.B) * p.T;
@@ -405,13 +466,38 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
   }
   bos = bos < 0 ? 0 : (bos > total ? total : bos);
   eos = eos < bos ? bos : (eos > total ? total : eos);
+  int64_t const len = eos - bos;
+  int const nchunks = int((len + kC - 1) / kC);
+  // the chunks of this CTA: [c_lo, c_hi), chunks_per_cta of them from unit u's start; the last unit (prep block or
+  // pass-2 segment P - 1) also takes whatever lies beyond, so every chunk has a CTA whatever the host's units
+  int c_lo = 0, c_hi = nchunks, last_seg = 0;
+  if constexpr (kPass != kKdaFused) {
+    int const cpc = p.chunks_per_cta;
+    if (cpc > 0) {
+      int const u = kPass == kKdaPrep ? unit : seg;
+      int const last_u = (kPass == kKdaState && p.maps ? (p.units + 3) / 2 : p.units) - 1;
+      c_lo = u * cpc < nchunks ? u * cpc : nchunks;
+      c_hi = u == last_u || nchunks - c_lo < cpc ? nchunks : c_lo + cpc;
+      last_seg = nchunks > 0 ? (nchunks - 1) / cpc : 0;
+      last_seg = last_seg < last_u ? last_seg : last_u;
+    }
+    // nothing to do: a prep block past the sequence's chunks, a pass-2 segment past them (segment 0 of an empty
+    // sequence still writes ht = h0). A maps CTA always writes: an empty segment's map is (M, H) = (I, 0).
+    // Uniform per CTA, before any barrier.
+    if (kPass == kKdaPrep && c_lo >= c_hi) return;
+    if (kPass == kKdaState && !p.maps && seg > last_seg) return;
+  }
+  int64_t const slot0 = bos / kC + n;  // record slot of this sequence's chunk 0 (kPrep, kState)
+  auto record = [&](int c) -> unsigned char* {
+    return static_cast<unsigned char*>(p.rec) + (int64_t(hv) * p.rec_slots + slot0 + c) * kKdaRecBytes;
+  };
 
   bf16 const* qg = static_cast<bf16 const*>(p.q) + h * p.qk_head_stride;
   bf16 const* kg = static_cast<bf16 const*>(p.k) + h * p.qk_head_stride;
   bf16 const* vg = static_cast<bf16 const*>(p.v) + hv * p.v_head_stride + col0;
   bf16 const* gg = static_cast<bf16 const*>(p.g) + hv * p.g_head_stride;
-  bf16* og = static_cast<bf16*>(p.o) + hv * p.o_head_stride + col0;
-  bool const extras = p.Aqk != nullptr && vb == 0;
+  bf16* og = p.o != nullptr ? static_cast<bf16*>(p.o) + hv * p.o_head_stride + col0 : nullptr;
+  bool const extras = kPass != kKdaState && p.Aqk != nullptr && vb == 0;
 
   // optional per-phase cycle counts (Params::phase_cycles): thread 0 reads clock64 after each phase's barrier
   // (the last mark lives in shared memory: no register stays live across the phases for it)
@@ -424,25 +510,31 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
     }
   };
   if (tid < kKdaFwdPhases) sm.prof[tid] = 0;
-  // aqk above the diagonal blocks (s > r) is zero in every chunk: written once (phase 4 skips those blocks)
-  for (int e = tid; e < kC * kC; e += kThreads) {
-    int const i = e >> 6, j = e & (kC - 1);
-    if ((j >> 4) > (i >> 4)) aqk_at(i, j) = __float2bfloat16_rn(0.f);
+  if constexpr (kPass != kKdaState) {
+    // aqk above the diagonal blocks (s > r) is zero in every chunk: written once (phase 4 skips those blocks)
+    for (int e = tid; e < kC * kC; e += kThreads) {
+      int const i = e >> 6, j = e & (kC - 1);
+      if ((j >> 4) > (i >> 4)) aqk_at(i, j) = __float2bfloat16_rn(0.f);
+    }
+    // per-channel gate constants (read by phase 2a; first written here, before the first barrier)
+    if (tid < kK) {
+      sm.dtb[tid] = p.dt_bias != nullptr ? load_param(p.dt_bias, p.dt_bias_fp32, int64_t(hv) * kK + tid) : 0.f;
+      if (tid == 0) sm.expA = p.A_log != nullptr ? expf(load_param(p.A_log, p.A_log_fp32, hv)) : 1.f;
+    }
   }
 
-  // per-channel gate constants (read by phase 2a; first written here, before the first barrier)
-  if (tid < kK) {
-    sm.dtb[tid] = p.dt_bias != nullptr ? load_param(p.dt_bias, p.dt_bias_fp32, int64_t(hv) * kK + tid) : 0.f;
-    if (tid == 0) sm.expA = p.A_log != nullptr ? expf(load_param(p.A_log, p.A_log_fp32, hv)) : 1.f;
-  }
-
-  // ---- state: warp w owns rows d = 16 w .. 16 w + 15 of S (K x kBV), as kNS m16n8 accumulator tiles
+  // ---- state: warp w owns rows d = 16 w .. 16 w + 15 of S (K x kBV), as kNS m16n8 accumulator tiles. Its start:
+  //      h0 (or 0); kState: the identity (a map), 0 (a later segment's H), or the combined seg_H of the segment before
   float S[kNS][4];
   int64_t const state_base = (int64_t(n) * p.HV + hv) * kK * 128;
   auto state_index = [&](int d, int c) -> int64_t {
     return state_base + (p.state_v_first ? int64_t(col0 + c) * kK + d : int64_t(d) * 128 + col0 + c);
   };
-  {
+  // element (d, col0 + c) of segment slot s of seg_H / seg_M (K-major)
+  auto seg_index = [&](int s, int d, int c) -> int64_t {
+    return ((int64_t(s) * p.N + n) * p.HV + hv) * kK * 128 + int64_t(d) * 128 + col0 + c;
+  };
+  if constexpr (kPass != kKdaPrep) {
     int const d0 = warp * 16 + g8;
 #pragma unroll
     for (int nt = 0; nt < kNS; ++nt) {
@@ -450,22 +542,28 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         int const d = d0 + (e >> 1) * 8, cc = c + (e & 1);
-        S[nt][e] = p.h0 != nullptr ? p.h0[state_index(d, cc)] : 0.f;
+        float s0 = p.h0 != nullptr ? p.h0[state_index(d, cc)] : 0.f;
+        if constexpr (kPass == kKdaState) {
+          if (mmap) {
+            s0 = d == col0 + cc ? 1.f : 0.f;
+          } else if (seg > 0) {
+            s0 = p.maps ? 0.f : p.seg_H[seg_index(seg - 1, d, cc)];
+          }
+        }
+        S[nt][e] = s0;
       }
     }
+    store_sT(S);
   }
-  store_sT(S);
   __syncthreads();
 
-  int64_t const len = eos - bos;
-  int const nchunks = int((len + kC - 1) / kC);
   auto chunk_rows = [&](int c) -> int {
     int64_t const left = eos - (bos + int64_t(c) * kC);
     return int(left < kC ? left : kC);
   };
   // Loads of chunk c (rows >= its length zero): q, k rows -> u1.raw and g rows -> u3.graw by cp.async
   // (waited for at the barrier that ends the previous chunk); v and beta through registers (vv, bv),
-  // stored to vT / beta by store_vb.
+  // stored to vT / beta by store_vb. kPrep reads no v, kState no q, k, g, beta (its records hold what they give).
   auto issue_qk = [&](int c) {
     int64_t const t0 = bos + int64_t(c) * kC;
     int const rw = chunk_rows(c);
@@ -504,21 +602,26 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
   auto load_vb = [&](int c) {
     int64_t const t0 = bos + int64_t(c) * kC;
     int const rw = chunk_rows(c);
+    if constexpr (kPass != kKdaPrep) {
 #pragma unroll
-    for (int u = 0; u < kVLoads; ++u) {
-      int i, c8;
-      v_slot(u, i, c8);
-      vv[u] = make_uint4(0, 0, 0, 0);
-      if (i < rw) vv[u] = *reinterpret_cast<uint4 const*>(vg + (t0 + i) * p.v_tok_stride + c8);
+      for (int u = 0; u < kVLoads; ++u) {
+        int i, c8;
+        v_slot(u, i, c8);
+        vv[u] = make_uint4(0, 0, 0, 0);
+        if (i < rw && with_v) vv[u] = *reinterpret_cast<uint4 const*>(vg + (t0 + i) * p.v_tok_stride + c8);
+      }
     }
-    bv = 0.f;
-    if (tid < rw) {
-      bv = load_param(p.beta, p.beta_fp32, (t0 + tid) * p.beta_tok_stride + hv);
-      if (p.use_beta_sigmoid) bv = p.beta_scale * sigmoidf_(bv);
+    if constexpr (kPass != kKdaState) {
+      bv = 0.f;
+      if (tid < rw) {
+        bv = load_param(p.beta, p.beta_fp32, (t0 + tid) * p.beta_tok_stride + hv);
+        if (p.use_beta_sigmoid) bv = p.beta_scale * sigmoidf_(bv);
+      }
     }
   };
   auto store_vb = [&]() {
-    if constexpr (kWgmma) {
+    if constexpr (kPass == kKdaPrep) {
+    } else if constexpr (kWgmma) {
       // row c8 + j of the sw128 tile has phase j: the pair (i, i + 1) of column c8 + j lands at i ^ 8 j. Lanes of
       // one token pair hold 8-column groups whose rows are 1 KB apart (one bank set), so lane l writes column
       // c8 + ((s + l) mod 8) at step s: the phases differ and the 8 lanes hit 8 bank quads (2-way at kBV 128,
@@ -563,406 +666,61 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
         for (int j = 0; j < 8; ++j) sm.vT[c8 + j][i] = e[j];
       }
     }
-    if (tid < kC) sm.beta[tid] = bv;
+    if (kPass != kKdaState && tid < kC) sm.beta[tid] = bv;
   };
-  if (nchunks > 0) {  // chunk 0: everything now
-    issue_qk(0);
-    issue_g(0);
-    load_vb(0);
+
+  // ---- records (kPrep writes them, kState reads them): byte b of a record lives in the shared-memory tile at
+  //      kRec* <= b (the wgmma images are dense at the start of their arrays); 16-byte pieces
+  auto rec_smem = [&](int b) -> unsigned char* {
+    static_assert(kPass == kKdaFused || kWgmma, "records are the wgmma tile images");
+    if (b < kRecWn) return reinterpret_cast<unsigned char*>(&sm.akkb[0][0]) + b;
+    if (b < kRecQg) return reinterpret_cast<unsigned char*>(&sm.u2.Wn[0][0]) + (b - kRecWn);
+    if (b < kRecAqk) return reinterpret_cast<unsigned char*>(&sm.u3.t1[0][0]) + (b - kRecQg);
+    if (b < kRecKdT) return reinterpret_cast<unsigned char*>(&sm.aqk[0][0]) + (b - kRecAqk);
+    if (b < kRecGamma) return reinterpret_cast<unsigned char*>(&sm.t3.KdT[0][0]) + (b - kRecKdT);
+    return reinterpret_cast<unsigned char*>(&sm.gamma[0]) + (b - kRecGamma);
+  };
+  auto write_record = [&](int c) {
+    unsigned char* const dst = record(c);
+    for (int b = 16 * tid; b < kKdaRecBytes; b += 16 * kThreads) {
+      *reinterpret_cast<uint4*>(dst + b) = *reinterpret_cast<uint4 const*>(rec_smem(b));
+    }
+  };
+  // bytes [b0, b1) of chunk c's record by cp.async, one commit group. Group A (phase 7's operands): akkb, -W and,
+  // with o, Qg; group B (phase 8's): with o, Aqk; Kd^T, gamma
+  int const rec_a_end = with_o ? kKdaRecGroupA : kRecQg, rec_b_begin = with_o ? kRecAqk : kRecKdT;
+  auto issue_record = [&](int c, int b0, int b1) {
+    unsigned char const* const src = record(c);
+    for (int b = b0 + 16 * tid; b < b1; b += 16 * kThreads) cp_async16(rec_smem(b), src + b, true);
+    cp_async_commit();
+  };
+
+  if constexpr (kPass == kKdaState) {
+    if (c_lo < c_hi) {  // chunk c_lo: both record groups in flight (waited for in the loop), v stored now
+      issue_record(c_lo, 0, rec_a_end);
+      issue_record(c_lo, rec_b_begin, kKdaRecBytes);
+      load_vb(c_lo);
+      store_vb();
+    }
+  } else if (c_lo < c_hi) {  // chunk c_lo: everything now
+    issue_qk(c_lo);
+    issue_g(c_lo);
+    load_vb(c_lo);
     store_vb();
     cp_async_wait_all();
   }
   __syncthreads();
 
-  mark(-1);
-  for (int chunk = 0; chunk < nchunks; ++chunk) {
-    int64_t const tok0 = bos + int64_t(chunk) * kC;
-    int const rows = chunk_rows(chunk);
-    bool const prefetch = chunk + 1 < nchunks;
-
-    // ---- 2: gate a = lb sigmoid(exp(A_log) (g + dt_bias)) in log2 units and its chunk cumsum G. Thread =
-    //      (channel pair d, d + 1; row block r = tid / 64): its 16 x 2 gates in registers (independent: the
-    //      sigmoids pipeline), scanned locally; the block totals go through smem and each block adds the sum of
-    //      the blocks before it (left to right, so G_{16r - 1} and the offset of block r are the same fp32 sum
-    //      and G stays non-increasing across blocks). Rows >= `rows` get a = 0 (G frozen past the end).
-    float2 Gr[kBC];
-    {
-      int const r = tid >> 6, d = 2 * (tid & 63);
-      float const lbl = p.lower_bound * kLog2e, ea = sm.expA, b0 = sm.dtb[d], b1 = sm.dtb[d + 1];
-      float2 acc = make_float2(0.f, 0.f);
-#pragma unroll
-      for (int u = 0; u < kBC; ++u) {
-        int const i = kBC * r + u;
-        float2 a = make_float2(0.f, 0.f);
-        if (i < rows) {
-          float2 const x = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u3.graw[i][d]));
-          a.x = lbl * sigmoidf_(ea * (x.x + b0));
-          a.y = lbl * sigmoidf_(ea * (x.y + b1));
-        }
-        acc.x += a.x;
-        acc.y += a.y;
-        Gr[u] = acc;
-      }
-      *reinterpret_cast<float2*>(&sm.blk[r][d]) = acc;
-    }
-    __syncthreads();
-    mark(0);
-
-    // ---- 2b: rstd of the q and k rows | G = offset + local scan, anchors A_r = ceil(G_16r),
-    //      B_s = floor(G_16(s+1)) (B_3 = floor(G_63)), gamma = exp2(G_63)
-    // rstd: warp w reduces its 8 rows i = w + 8 e at once. Lane l first sums the squares of channels
-    // 4l .. 4l + 3 (in order) of the 16 values x[2 e] (q row i), x[2 e + 1] (k row i). Butterfly levels
-    // 16, 8, 4, 2 halve the values a lane carries: it keeps the half its offset bit selects and adds the
-    // partner's copy of that half (8 + 4 + 2 + 1 shuffles); lane l then carries value l >> 1, and level 1
-    // completes it. Every value gets the xor tree 16, 8, 4, 2, 1 of a per-row butterfly (same bits).
-    {
-      float x[16];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        int const i = warp + 8 * e;
-        uint2 const qa = *reinterpret_cast<uint2 const*>(&sm.u1.raw.q[i][lane * 4]);
-        uint2 const ka = *reinterpret_cast<uint2 const*>(&sm.u1.raw.k[i][lane * 4]);
-        float const q0 = bf16_lo(qa.x), q1 = bf16_hi(qa.x), q2 = bf16_lo(qa.y), q3 = bf16_hi(qa.y);
-        float const k0 = bf16_lo(ka.x), k1 = bf16_hi(ka.x), k2 = bf16_lo(ka.y), k3 = bf16_hi(ka.y);
-        float sq = 0.f, sk = 0.f;
-        sq = fmaf(q0, q0, sq);
-        sk = fmaf(k0, k0, sk);
-        sq = fmaf(q1, q1, sq);
-        sk = fmaf(k1, k1, sk);
-        sq = fmaf(q2, q2, sq);
-        sk = fmaf(k2, k2, sk);
-        sq = fmaf(q3, q3, sq);
-        sk = fmaf(k3, k3, sk);
-        x[2 * e] = sq;
-        x[2 * e + 1] = sk;
-      }
-      butterfly_halve<8>(x, lane);
-      butterfly_halve<4>(x, lane);
-      butterfly_halve<2>(x, lane);
-      butterfly_halve<1>(x, lane);
-      x[0] += __shfl_xor_sync(0xffffffffu, x[0], 1);
-      if ((lane & 1) == 0) {
-        int const v = lane >> 1, i = warp + 8 * (v >> 1);
-        float const rs = p.use_qk_l2norm ? rsqrtf(x[0] + 1e-6f) : 1.f;
-        if (v & 1) {
-          sm.rstd_k[i] = rs;
-        } else {
-          sm.rstd_q[i] = rs;
-        }
-      }
-    }
-    {
-      int const r = tid >> 6, d = 2 * (tid & 63);
-      float2 off = make_float2(0.f, 0.f);
-#pragma unroll
-      for (int t = 0; t < 3; ++t) {
-        if (t < r) {
-          float2 const bt = *reinterpret_cast<float2 const*>(&sm.blk[t][d]);
-          off.x += bt.x;
-          off.y += bt.y;
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kBC; ++u) {
-        Gr[u].x += off.x;
-        Gr[u].y += off.y;
-        *reinterpret_cast<float2*>(&sm.u2.G[kBC * r + u][d]) = Gr[u];
-      }
-      sm.anc_a[r][d] = int(ceilf(Gr[0].x));
-      sm.anc_a[r][d + 1] = int(ceilf(Gr[0].y));
-      if (r > 0) {
-        sm.anc_b[r - 1][d] = int(floorf(Gr[0].x));
-        sm.anc_b[r - 1][d + 1] = int(floorf(Gr[0].y));
-      }
-      if (r == 3) {
-        sm.anc_b[3][d] = int(floorf(Gr[kBC - 1].x));
-        sm.anc_b[3][d + 1] = int(floorf(Gr[kBC - 1].y));
-        sm.gamma[d] = ex2(Gr[kBC - 1].x);
-        sm.gamma[d + 1] = ex2(Gr[kBC - 1].y);
-      }
-    }
-    __syncthreads();
-    mark(1);
-
-    // ---- 3: block-anchored factors (exponents G - A_r <= 0, B_r - G <= 0); the per-channel block scalars
-    //      2^(A_r - B_s) of the pairs (r, s <= r) for phase 4
-    for (int e = tid; e < kPairs * kK; e += kThreads) {
-      int const pr = e >> 7, d = e & (kK - 1);
-      int const r = pr >= 6 ? 3 : pr >= 3 ? 2 : pr >= 1 ? 1 : 0, s = pr - r * (r + 1) / 2;
-      sm.pw[pr][d] = pow2i(sm.anc_a[r][d] - sm.anc_b[s][d]);
-    }
-    for (int idx = tid; idx < kC * (kK / 2); idx += kThreads) {
-      int const i = idx >> 6, d = (idx & 63) * 2, r = i >> 4;
-      float2 const G = *reinterpret_cast<float2 const*>(&sm.u2.G[i][d]);
-      float2 const q2 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i][d]));
-      float2 const k2 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i][d]));
-      float const sq = p.scale * sm.rstd_q[i], sk = sm.rstd_k[i];
-      float const ea0 = ex2(G.x - float(sm.anc_a[r][d])), ea1 = ex2(G.y - float(sm.anc_a[r][d + 1]));
-      float const fb0 = ex2(float(sm.anc_b[r][d]) - G.x), fb1 = ex2(float(sm.anc_b[r][d + 1]) - G.y);
-      store_pair(&t1_at(i, d), q2.x * sq * ea0, q2.y * sq * ea1);
-      store_pair(&ke_at(i, d), k2.x * sk * ea0, k2.y * sk * ea1);
-      store_pair(&sm.t3.Kf[i][d], k2.x * sk * fb0, k2.y * sk * fb1);
-    }
-    __syncthreads();
-    mark(2);
-
-    // ---- 4: Aqk and L on the 10 sub-block pairs (r, s <= r) each: job j < 10 Aqk, else L, of pair j mod 10;
-    //      warp w takes jobs w, w + 8, w + 16 (the blocks s > r of aqk stay zero from the prologue)
-    for (int job = warp; job < 2 * kPairs; job += 8) {
-      bool const is_l = job >= kPairs;
-      int const pr = is_l ? job - kPairs : job;
-      int const r = pr >= 6 ? 3 : pr >= 3 ? 2 : pr >= 1 ? 1 : 0, s = pr - r * (r + 1) / 2;
-      float acc[2][4];
-      zero(acc);
-      {
-        // row fragment (row 16 r + g8 + 8 h, channel k0 + 2 t4 + 8 x) of Qe or Ke: padded rows, or (kWgmma) sw128k,
-        // where the row mod 8 is g8 and 2 t4 stays below the XORed bits
-        bf16 const* const A = kWgmma ? (is_l ? &sm.t2.Ke[0][0] : &sm.u3.t1[0][0]) + (16 * r + g8) * 64 + 2 * t4
-                                     : (is_l ? &sm.t2.Ke[16 * r][0] : &sm.u3.t1[16 * r][0]) + g8 * kLdK + 2 * t4;
-        auto arow = [&](int h, int k0, int x) -> bf16 const* {
-          int const kk = k0 + 8 * x;
-          if constexpr (kWgmma) return A + (kk >> 6) * kC * 64 + 8 * h * 64 + ((kk & 63) ^ (g8 << 3));
-          return A + 8 * h * kLdK + kk;
-        };
-#pragma unroll
-        for (int k0 = 0; k0 < kK; k0 += 16) {
-          int const d = k0 + 2 * t4;
-          float2 const s01 = *reinterpret_cast<float2 const*>(&sm.pw[pr][d]);
-          float2 const s89 = *reinterpret_cast<float2 const*>(&sm.pw[pr][d + 8]);
-          uint32_t const a0 = scale_pair(ld32(arow(0, k0, 0)), s01.x, s01.y);
-          uint32_t const a1 = scale_pair(ld32(arow(1, k0, 0)), s01.x, s01.y);
-          uint32_t const a2 = scale_pair(ld32(arow(0, k0, 1)), s89.x, s89.y);
-          uint32_t const a3 = scale_pair(ld32(arow(1, k0, 1)), s89.x, s89.y);
-#pragma unroll
-          for (int nt = 0; nt < 2; ++nt) {
-            bf16 const* b = &sm.t3.Kf[16 * s + nt * 8 + g8][k0 + 2 * t4];
-            mma_bf16_16816(acc[nt], a0, a1, a2, a3, ld32(b), ld32(b + 8));
-          }
-        }
-      }
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          int const i = 16 * r + g8 + (e >> 1) * 8, j = 16 * s + nt * 8 + 2 * t4 + (e & 1);
-          if (is_l) {
-            sm.u4.L[i][j] = j < i ? sm.beta[i] * acc[nt][e] : 0.f;
-          } else {
-            aqk_at(i, j) = __float2bfloat16_rn(j <= i ? acc[nt][e] : 0.f);
-          }
-        }
-      }
-    }
-    __syncthreads();
-    mark(3);
-
-    // ---- 5a: state-side factors (all exponents <= 0); raw q/k and G read for the last time. Thread = (token
-    //      pair i, i + 1; channel pair d, d + 1), a warp = 8 token pairs x 4 channel pairs: the bf16x2 stores
-    //      into the transposed Kg^T / Kd^T rows and the float2 reads of G rows hit distinct banks.
-    for (int idx = tid; idx < (kC / 2) * (kK / 2); idx += kThreads) {
-      int const l = idx & 31, grp = idx >> 5;
-      int const i = 2 * ((grp & 3) * 8 + (l & 7)), d = 2 * ((grp >> 2) * 4 + (l >> 3));
-      float2 const G0 = *reinterpret_cast<float2 const*>(&sm.u2.G[i][d]);
-      float2 const G1 = *reinterpret_cast<float2 const*>(&sm.u2.G[i + 1][d]);
-      float2 const G63 = *reinterpret_cast<float2 const*>(&sm.u2.G[kC - 1][d]);
-      float2 const q0 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i][d]));
-      float2 const q1 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i + 1][d]));
-      float2 const k0 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i][d]));
-      float2 const k1 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i + 1][d]));
-      float const sq0 = p.scale * sm.rstd_q[i], sq1 = p.scale * sm.rstd_q[i + 1];
-      float const sk0 = sm.rstd_k[i], sk1 = sm.rstd_k[i + 1];
-      float const e00 = ex2(G0.x), e01 = ex2(G0.y), e10 = ex2(G1.x), e11 = ex2(G1.y);  // e[token][channel]
-      store_pair(&t1_at(i, d), q0.x * sq0 * e00, q0.y * sq0 * e01);
-      store_pair(&t1_at(i + 1, d), q1.x * sq1 * e10, q1.y * sq1 * e11);
-      store_pair(&kgT_at(d, i), k0.x * sk0 * e00, k1.x * sk1 * e10);
-      store_pair(&kgT_at(d + 1, i), k0.y * sk0 * e01, k1.y * sk1 * e11);
-      store_pair(&kdT_at(d, i), k0.x * sk0 * ex2(G63.x - G0.x), k1.x * sk1 * ex2(G63.x - G1.x));
-      store_pair(&kdT_at(d + 1, i), k0.y * sk0 * ex2(G63.y - G0.y), k1.y * sk1 * ex2(G63.y - G1.y));
-    }
-    __syncthreads();
-    mark(4);
-
-    // ---- 5b: inverse X = (I + L)^-1 by 16-blocks: X_rr = D_r = (I + L_rr)^-1 (forward substitution) and,
-    //      for s < r, X_rs = -D_r T_rs with T_rs = sum_{t=s}^{r-1} L_rt X_ts (sums over t, then m, in order).
-    //      akkb = bf16(X diag(beta)) (the A operand of phases 6-7): off-diagonal blocks by their producer, the
-    //      diagonal and zero blocks by idle warps in steps 4 and 5 below. Diagonal: warp r < 4, lane = column.
-    if (warp < 4) {
-      int const r = warp, c = lane & 15, o = 16 * r;
-      float x[16];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        float s = i == c ? 1.f : 0.f;
-#pragma unroll
-        for (int j = 0; j < i; ++j) s = fmaf(-sm.u4.L[o + i][o + j], x[j], s);
-        x[i] = s;
-      }
-      if (lane < 16) {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) sm.u1.X[o + i][o + c] = x[i];
-      }
-    }
-    __syncthreads();
-    // Off-diagonal blocks: a group of 64 threads (grp = warp / 2) computes one block per step, thread = a
-    // 1 x 4 strip (row si, columns sj .. sj + 3): one L element times a float4 of X per fma step. The six
-    // steps follow the longest chain X_10 -> X_20 -> X_30; a chain's earlier terms are summed in earlier
-    // steps (T_30: t = 0, 1, 2 in steps 1, 3, 5 in registers; T_31's t = 1 term through X's unused
-    // upper block (0, 3)); T blocks wait for their D_r product in tmp.
-    {
-      int const grp = warp >> 1, si = (tid >> 2) & 15, sj = (tid & 3) * 4;
-      // acc += L_rt X_ts on the strip (block row r, column block s)
-      auto lx = [&](float4& acc, int r, int t, int s) {
-#pragma unroll
-        for (int m = 0; m < 16; ++m) {
-          float const l = sm.u4.L[16 * r + si][16 * t + m];
-          float4 const xv = *reinterpret_cast<float4 const*>(&sm.u1.X[16 * t + m][16 * s + sj]);
-          acc.x = fmaf(l, xv.x, acc.x);
-          acc.y = fmaf(l, xv.y, acc.y);
-          acc.z = fmaf(l, xv.z, acc.z);
-          acc.w = fmaf(l, xv.w, acc.w);
-        }
-      };
-      auto tmp = [&](int slot) { return reinterpret_cast<float4*>(&sm.tmp[slot][si][sj]); };
-      // X_rs = -D_r T, T in tmp[slot]; X diag(beta) to akkb
-      auto dx = [&](int r, int s, int slot) {
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int m = 0; m < 16; ++m) {
-          float const xv = sm.u1.X[16 * r + si][16 * r + m];
-          float4 const tv = *reinterpret_cast<float4 const*>(&sm.tmp[slot][m][sj]);
-          acc.x = fmaf(xv, tv.x, acc.x);
-          acc.y = fmaf(xv, tv.y, acc.y);
-          acc.z = fmaf(xv, tv.z, acc.z);
-          acc.w = fmaf(xv, tv.w, acc.w);
-        }
-        int const i = 16 * r + si, j = 16 * s + sj;
-        float4 const xn = make_float4(-acc.x, -acc.y, -acc.z, -acc.w);
-        *reinterpret_cast<float4*>(&sm.u1.X[i][j]) = xn;
-        store_pair(&akkb_at(i, j), xn.x * sm.beta[j], xn.y * sm.beta[j + 1]);
-        store_pair(&akkb_at(i, j + 2), xn.z * sm.beta[j + 2], xn.w * sm.beta[j + 3]);
-      };
-      float4* const part31 = reinterpret_cast<float4*>(&sm.u1.X[si][48 + sj]);  // X block (0, 3): unused
-      float4 const z4 = make_float4(0.f, 0.f, 0.f, 0.f);
-      float4 acc30 = z4, acc = z4;
-      // step 1: T_30 (t = 0) | T_20 (t = 0, kept in acc) | T_10 -> tmp 0 | T_21 -> tmp 1
-      if (grp == 0) {
-        lx(acc30, 3, 0, 0);
-      } else {
-        int const r = grp == 2 ? 1 : 2, ts = grp == 3 ? 1 : 0;  // (r, t = s): (2, 0) | (1, 0) | (2, 1)
-        lx(acc, r, ts, ts);
-        if (grp >= 2) *tmp(grp - 2) = acc;
-      }
-      __syncthreads();
-      // step 2: T_32 | T_31 (t = 1) | X_10 | X_21
-      if (grp == 0) {
-        float4 t32 = z4;
-        lx(t32, 3, 2, 2);
-        *tmp(2) = t32;
-      } else if (grp == 1) {
-        float4 t31 = z4;
-        lx(t31, 3, 1, 1);
-        *part31 = t31;
-      } else {
-        dx(grp == 2 ? 1 : 2, grp == 2 ? 0 : 1, grp - 2);
-      }
-      __syncthreads();
-      // step 3: T_30 (t = 1) | T_20 (t = 1) | X_32 | T_31 (t = 2)
-      if (grp == 0) {
-        lx(acc30, 3, 1, 0);
-      } else if (grp == 1) {
-        lx(acc, 2, 1, 0);
-        *tmp(0) = acc;
-      } else if (grp == 2) {
-        dx(3, 2, 2);
-      } else {
-        float4 t31 = *part31;
-        lx(t31, 3, 2, 1);
-        *tmp(1) = t31;
-      }
-      __syncthreads();
-      // step 4: X_20 (warps 2, 3) | X_31 (warps 4, 5) | akkb of the 4 diagonal blocks (warps 0, 1, 6, 7: column
-      //         pairs, 4 blocks x 16 rows x 8 pairs)
-      if (grp == 1) {
-        dx(2, 0, 0);
-      } else if (grp == 2) {
-        dx(3, 1, 1);
-      } else {
-#pragma unroll
-        for (int e = (grp == 0 ? tid : tid - 128); e < 4 * kBC * 8; e += 128) {
-          int const i = 16 * (e >> 7) + ((e >> 3) & 15), j = 16 * (e >> 7) + (e & 7) * 2;
-          float2 const xv = *reinterpret_cast<float2 const*>(&sm.u1.X[i][j]);
-          store_pair(&akkb_at(i, j), xv.x * sm.beta[j], xv.y * sm.beta[j + 1]);
-        }
-      }
-      __syncthreads();
-      // step 5: T_30 (t = 2) | akkb's 6 zero blocks (rb, cb > rb) (warps 2-7: 6 x 16 rows x 8 pairs)
-      if (grp == 0) {
-        lx(acc30, 3, 2, 0);
-        *tmp(2) = acc30;
-      } else {
-#pragma unroll
-        for (int e = tid - 64; e < 6 * kBC * 8; e += 192) {
-          int const bk = e >> 7, rb = bk < 3 ? 0 : bk < 5 ? 1 : 2, cb = bk < 3 ? bk + 1 : bk < 5 ? bk - 1 : 3;
-          int const i = 16 * rb + ((e >> 3) & 15), j = 16 * cb + (e & 7) * 2;
-          store_pair(&akkb_at(i, j), 0.f * sm.beta[j], 0.f * sm.beta[j + 1]);
-        }
-      }
-      __syncthreads();
-      // step 6: X_30
-      if (grp == 0) dx(3, 0, 2);
-#ifndef FLA_CULA_KDA_HOST_EMULATION
-      // akkb and Kg^T (and this chunk's t1, sT, vT), written through the generic proxy, become visible to the
-      // wgmma of phases 6-7
-      if constexpr (kWgmma) cutlass::arch::fence_view_async_shared();
-#endif
-      __syncthreads();
-    }
-    // grad extras: Akk = bf16(X) (zeros above the diagonal), Aqk; X is raw q/k's storage (prefetched next)
-    if (extras) {
-      for (int idx = tid; idx < rows * (kC / 2); idx += kThreads) {
-        int const i = idx >> 5, j = (idx & 31) * 2;
-        bool const up = (j >> 4) > (i >> 4);
-        float const x0 = up ? 0.f : sm.u1.X[i][j], x1 = up ? 0.f : sm.u1.X[i][j + 1];
-        int64_t const off = (tok0 + i) * p.extras_tok_stride + int64_t(hv) * kC + j;
-        store_pair(static_cast<bf16*>(p.Akk) + off, x0, x1);
-        *reinterpret_cast<uint32_t*>(static_cast<bf16*>(p.Aqk) + off) = ld32(&aqk_at(i, j));
-      }
-      __syncthreads();
-    }
-    mark(5);
-    if (prefetch) issue_qk(chunk + 1);  // u1.raw: X was last read above (barrier between)
-
-    // ---- 6: -W = -(X diag b) Kg : 64 x 128, warp = (row tile w/2, 64 columns), or (kWgmma) warpgroup = 64 columns
-    {
-      int const mt = kWgmma ? (warp & 3) : (warp >> 1), nb = (kWgmma ? (warp >> 2) : (warp & 1)) * 64;
-      float acc[8][4];
-      zero(acc);
-      if constexpr (kWgmma) {
-        wg_mma_tn<64>(acc, &sm.akkb[0][0], &sm.t2.KgT[0][0] + nb * kC, lane, warp & 3);
-      } else {
-        warp_mma_tn<8, kC>(acc, &sm.akkb[16 * mt][0], kLdC, &sm.t2.KgT[nb][0], kLdC, lane);
-      }
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        int const i = 16 * mt + g8, d = nb + nt * 8 + 2 * t4;
-        store_pair(&wn_at(i, d), -acc[nt][0], -acc[nt][1]);
-        store_pair(&wn_at(i + 8, d), -acc[nt][2], -acc[nt][3]);
-      }
-    }
-#ifndef FLA_CULA_KDA_HOST_EMULATION
-    if constexpr (kWgmma) cutlass::arch::fence_view_async_shared();  // -W for phase 7's wgmma
-#endif
-    __syncthreads();
-    mark(6);
-
-    // ---- 7: V' = (X diag b) V - W bf16(S) ; O = Qg bf16(S). 64 x kBV, warp = (row tile, kBV/2 columns): row tile
-    //      w/2 and column half w%2, or (kWgmma) row tile w%4 and column half w/4, as a warpgroup MMA holds them
-    int const mt = kWgmma ? (warp & 3) : (warp >> 1), nb = (kWgmma ? (warp >> 2) : (warp & 1)) * (kBV / 2);
-    float o_acc[kNO][4];
+  // ---- 7: V' = (X diag b) V - W bf16(S) ; O = Qg bf16(S). 64 x kBV, warp = (row tile, kBV/2 columns): row tile
+  //      w/2 and column half w%2, or (kWgmma) row tile w%4 and column half w/4, as a warpgroup MMA holds them.
+  //      kState: no (X diag b) V for a map (v = 0), no O in the maps pass
+  int const mt = kWgmma ? (warp & 3) : (warp >> 1), nb = (kWgmma ? (warp >> 2) : (warp & 1)) * (kBV / 2);
+  auto phase7 = [&](float (&o_acc)[kNO][4]) {
     {
       float vp[kNO][4];
       zero(vp);
       if constexpr (kWgmma) {
-        wg_mma_tn<kBV / 2>(vp, &sm.akkb[0][0], &sm.vT[0][0] + nb * kC, lane, warp & 3);
+        if (with_v) wg_mma_tn<kBV / 2>(vp, &sm.akkb[0][0], &sm.vT[0][0] + nb * kC, lane, warp & 3);
         wg_mma_tn<kBV / 2, kK, kBV>(vp, &sm.u2.Wn[0][0], &sm.sT[0][0] + nb * kC, lane, warp & 3);
       } else {
         warp_mma_tn<kNO, kC>(vp, &sm.akkb[16 * mt][0], kLdC, &sm.vT[nb][0], kLdC, lane);
@@ -978,73 +736,531 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(KdaFwdParams const
       }
     }
     zero(o_acc);  // after V' is stored: its accumulators and O's are not live at once
-    if constexpr (kWgmma) {
-      wg_mma_tn<kBV / 2, kK, kBV>(o_acc, &sm.u3.t1[0][0], &sm.sT[0][0] + nb * kC, lane, warp & 3);
-    } else {
-      warp_mma_tn<kNO, kK>(o_acc, &sm.u3.t1[16 * mt][0], kLdK, &sm.sT[nb][0], kLdK, lane);
-    }
-#ifndef FLA_CULA_KDA_HOST_EMULATION
-    // the operand tiles of phase 8 (aqk, Kd^T, V'^T), written through the generic proxy, become visible to wgmma
-    if constexpr (kWgmma) cutlass::arch::fence_view_async_shared();
-#endif
-    __syncthreads();
-    mark(7);
-    if (prefetch) {
-      issue_g(chunk + 1);  // u3.graw: Qg (t1) was last read in phase 7 (barrier between)
-      load_vb(chunk + 1);  // into registers; vT / beta are stored after phase 8
-    }
-
-    // ---- 8: O += Aqk V' (store rows < `rows`); S = diag(gamma) S + Kd^T V'; bf16(S)^T for the next chunk.
-    //      kWgmma: each warpgroup multiplies its 64 x kBV/2 block of O and its 64 state rows on wgmma (as in 6-7)
-    if constexpr (kWgmma) {
-      wg_mma_tn<kBV / 2>(o_acc, &sm.aqk[0][0], &sm.u4.vpT[0][0] + nb * kC, lane, warp & 3);
-    } else {
-      warp_mma_tn<kNO, kC>(o_acc, &sm.aqk[16 * mt][0], kLdC, &sm.u4.vpT[nb][0], kLdC, lane);
-    }
-#pragma unroll
-    for (int nt = 0; nt < kNO; ++nt) {
-      int const i = 16 * mt + g8, c = nb + nt * 8 + 2 * t4;
-      if (i < rows) store_pair(og + (tok0 + i) * p.o_tok_stride + c, o_acc[nt][0], o_acc[nt][1]);
-      if (i + 8 < rows) store_pair(og + (tok0 + i + 8) * p.o_tok_stride + c, o_acc[nt][2], o_acc[nt][3]);
-    }
-    {
-      int const d0 = warp * 16 + g8;
-      float const gm0 = sm.gamma[d0], gm1 = sm.gamma[d0 + 8];
-#pragma unroll
-      for (int nt = 0; nt < kNS; ++nt) {
-        S[nt][0] *= gm0;
-        S[nt][1] *= gm0;
-        S[nt][2] *= gm1;
-        S[nt][3] *= gm1;
-      }
+    if (with_o) {
       if constexpr (kWgmma) {
-        wg_mma_tn<kBV>(S, &sm.t3.KdT[0][0] + (warp >> 2) * 64 * kC, &sm.u4.vpT[0][0], lane, warp & 3);
+        wg_mma_tn<kBV / 2, kK, kBV>(o_acc, &sm.u3.t1[0][0], &sm.sT[0][0] + nb * kC, lane, warp & 3);
       } else {
-        warp_mma_tn<kNS, kC>(S, &sm.t3.KdT[warp * 16][0], kLdC, &sm.u4.vpT[0][0], kLdC, lane);
+        warp_mma_tn<kNO, kK>(o_acc, &sm.u3.t1[16 * mt][0], kLdK, &sm.sT[nb][0], kLdK, lane);
       }
-      store_sT(S);
     }
-    if constexpr (kProfile) __syncthreads();  // the timer build splits the products from the wait for chunk + 1
-    mark(8);
-    if (prefetch) store_vb();  // vT last read in phase 7, beta in phase 5 (barriers between)
-    cp_async_wait_all();       // this thread's copies of chunk + 1 landed; the barrier publishes them
-    __syncthreads();
-    mark(9);
+  };
+
+  // ---- 8: O += Aqk V' (store rows < `rows`); S = diag(gamma) S + Kd^T V'; bf16(S)^T for the next chunk.
+  //      kWgmma: each warpgroup multiplies its 64 x kBV/2 block of O and its 64 state rows on wgmma (as in 6-7)
+  auto phase8 = [&](float (&o_acc)[kNO][4], int64_t tok0, int rows) {
+    if (with_o) {
+      if constexpr (kWgmma) {
+        wg_mma_tn<kBV / 2>(o_acc, &sm.aqk[0][0], &sm.u4.vpT[0][0] + nb * kC, lane, warp & 3);
+      } else {
+        warp_mma_tn<kNO, kC>(o_acc, &sm.aqk[16 * mt][0], kLdC, &sm.u4.vpT[nb][0], kLdC, lane);
+      }
+#pragma unroll
+      for (int nt = 0; nt < kNO; ++nt) {
+        int const i = 16 * mt + g8, c = nb + nt * 8 + 2 * t4;
+        if (i < rows) store_pair(og + (tok0 + i) * p.o_tok_stride + c, o_acc[nt][0], o_acc[nt][1]);
+        if (i + 8 < rows) store_pair(og + (tok0 + i + 8) * p.o_tok_stride + c, o_acc[nt][2], o_acc[nt][3]);
+      }
+    }
+    int const d0 = warp * 16 + g8;
+    float const gm0 = sm.gamma[d0], gm1 = sm.gamma[d0 + 8];
+#pragma unroll
+    for (int nt = 0; nt < kNS; ++nt) {
+      S[nt][0] *= gm0;
+      S[nt][1] *= gm0;
+      S[nt][2] *= gm1;
+      S[nt][3] *= gm1;
+    }
+    if constexpr (kWgmma) {
+      wg_mma_tn<kBV>(S, &sm.t3.KdT[0][0] + (warp >> 2) * 64 * kC, &sm.u4.vpT[0][0], lane, warp & 3);
+    } else {
+      warp_mma_tn<kNS, kC>(S, &sm.t3.KdT[warp * 16][0], kLdC, &sm.u4.vpT[0][0], kLdC, lane);
+    }
+    store_sT(S);
+  };
+
+  mark(-1);
+  if constexpr (kPass == kKdaState) {
+    // Records in: chunk c's group A is waited for before phase 7 and its group B before phase 8; chunk c + 1's
+    // group A is issued after phase 7 (its tiles were last read there) and its group B after phase 8.
+    for (int chunk = c_lo; chunk < c_hi; ++chunk) {
+      int64_t const tok0 = bos + int64_t(chunk) * kC;
+      int const rows = chunk_rows(chunk);
+      bool const prefetch = chunk + 1 < c_hi;
+      cp_async_wait_group<1>();  // group A of this chunk (its group B may still be in flight)
+      // the copied tiles and (from the previous chunk / the prologue) sT, vT become visible to wgmma
+      fence_async_shared();
+      __syncthreads();
+      float o_acc[kNO][4];
+      phase7(o_acc);
+      cp_async_wait_group<0>();  // group B
+      fence_async_shared();      // ... and V'^T
+      __syncthreads();
+      if (prefetch) {
+        issue_record(chunk + 1, 0, rec_a_end);
+        load_vb(chunk + 1);
+      }
+      phase8(o_acc, tok0, rows);
+      if (prefetch) store_vb();  // vT last read in phase 7 (barrier between)
+      __syncthreads();
+      if (prefetch) issue_record(chunk + 1, rec_b_begin, kKdaRecBytes);
+    }
+  } else {
+    for (int chunk = c_lo; chunk < c_hi; ++chunk) {
+      int64_t const tok0 = bos + int64_t(chunk) * kC;
+      int const rows = chunk_rows(chunk);
+      bool const prefetch = chunk + 1 < c_hi;
+
+      // ---- 2: gate a = lb sigmoid(exp(A_log) (g + dt_bias)) in log2 units and its chunk cumsum G. Thread =
+      //      (channel pair d, d + 1; row block r = tid / 64): its 16 x 2 gates in registers (independent: the
+      //      sigmoids pipeline), scanned locally; the block totals go through smem and each block adds the sum of
+      //      the blocks before it (left to right, so G_{16r - 1} and the offset of block r are the same fp32 sum
+      //      and G stays non-increasing across blocks). Rows >= `rows` get a = 0 (G frozen past the end).
+      float2 Gr[kBC];
+      {
+        int const r = tid >> 6, d = 2 * (tid & 63);
+        float const lbl = p.lower_bound * kLog2e, ea = sm.expA, b0 = sm.dtb[d], b1 = sm.dtb[d + 1];
+        float2 acc = make_float2(0.f, 0.f);
+#pragma unroll
+        for (int u = 0; u < kBC; ++u) {
+          int const i = kBC * r + u;
+          float2 a = make_float2(0.f, 0.f);
+          if (i < rows) {
+            float2 const x = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u3.graw[i][d]));
+            a.x = lbl * sigmoidf_(ea * (x.x + b0));
+            a.y = lbl * sigmoidf_(ea * (x.y + b1));
+          }
+          acc.x += a.x;
+          acc.y += a.y;
+          Gr[u] = acc;
+        }
+        *reinterpret_cast<float2*>(&sm.blk[r][d]) = acc;
+      }
+      __syncthreads();
+      mark(0);
+
+      // ---- 2b: rstd of the q and k rows | G = offset + local scan, anchors A_r = ceil(G_16r),
+      //      B_s = floor(G_16(s+1)) (B_3 = floor(G_63)), gamma = exp2(G_63)
+      // rstd: warp w reduces its 8 rows i = w + 8 e at once. Lane l first sums the squares of channels
+      // 4l .. 4l + 3 (in order) of the 16 values x[2 e] (q row i), x[2 e + 1] (k row i). Butterfly levels
+      // 16, 8, 4, 2 halve the values a lane carries: it keeps the half its offset bit selects and adds the
+      // partner's copy of that half (8 + 4 + 2 + 1 shuffles); lane l then carries value l >> 1, and level 1
+      // completes it. Every value gets the xor tree 16, 8, 4, 2, 1 of a per-row butterfly (same bits).
+      {
+        float x[16];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          int const i = warp + 8 * e;
+          uint2 const qa = *reinterpret_cast<uint2 const*>(&sm.u1.raw.q[i][lane * 4]);
+          uint2 const ka = *reinterpret_cast<uint2 const*>(&sm.u1.raw.k[i][lane * 4]);
+          float const q0 = bf16_lo(qa.x), q1 = bf16_hi(qa.x), q2 = bf16_lo(qa.y), q3 = bf16_hi(qa.y);
+          float const k0 = bf16_lo(ka.x), k1 = bf16_hi(ka.x), k2 = bf16_lo(ka.y), k3 = bf16_hi(ka.y);
+          float sq = 0.f, sk = 0.f;
+          sq = fmaf(q0, q0, sq);
+          sk = fmaf(k0, k0, sk);
+          sq = fmaf(q1, q1, sq);
+          sk = fmaf(k1, k1, sk);
+          sq = fmaf(q2, q2, sq);
+          sk = fmaf(k2, k2, sk);
+          sq = fmaf(q3, q3, sq);
+          sk = fmaf(k3, k3, sk);
+          x[2 * e] = sq;
+          x[2 * e + 1] = sk;
+        }
+        butterfly_halve<8>(x, lane);
+        butterfly_halve<4>(x, lane);
+        butterfly_halve<2>(x, lane);
+        butterfly_halve<1>(x, lane);
+        x[0] += __shfl_xor_sync(0xffffffffu, x[0], 1);
+        if ((lane & 1) == 0) {
+          int const v = lane >> 1, i = warp + 8 * (v >> 1);
+          float const rs = p.use_qk_l2norm ? rsqrtf(x[0] + 1e-6f) : 1.f;
+          if (v & 1) {
+            sm.rstd_k[i] = rs;
+          } else {
+            sm.rstd_q[i] = rs;
+          }
+        }
+      }
+      {
+        int const r = tid >> 6, d = 2 * (tid & 63);
+        float2 off = make_float2(0.f, 0.f);
+#pragma unroll
+        for (int t = 0; t < 3; ++t) {
+          if (t < r) {
+            float2 const bt = *reinterpret_cast<float2 const*>(&sm.blk[t][d]);
+            off.x += bt.x;
+            off.y += bt.y;
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kBC; ++u) {
+          Gr[u].x += off.x;
+          Gr[u].y += off.y;
+          *reinterpret_cast<float2*>(&sm.u2.G[kBC * r + u][d]) = Gr[u];
+        }
+        sm.anc_a[r][d] = int(ceilf(Gr[0].x));
+        sm.anc_a[r][d + 1] = int(ceilf(Gr[0].y));
+        if (r > 0) {
+          sm.anc_b[r - 1][d] = int(floorf(Gr[0].x));
+          sm.anc_b[r - 1][d + 1] = int(floorf(Gr[0].y));
+        }
+        if (r == 3) {
+          sm.anc_b[3][d] = int(floorf(Gr[kBC - 1].x));
+          sm.anc_b[3][d + 1] = int(floorf(Gr[kBC - 1].y));
+          sm.gamma[d] = ex2(Gr[kBC - 1].x);
+          sm.gamma[d + 1] = ex2(Gr[kBC - 1].y);
+        }
+      }
+      __syncthreads();
+      mark(1);
+
+      // ---- 3: block-anchored factors (exponents G - A_r <= 0, B_r - G <= 0); the per-channel block scalars
+      //      2^(A_r - B_s) of the pairs (r, s <= r) for phase 4
+      for (int e = tid; e < kPairs * kK; e += kThreads) {
+        int const pr = e >> 7, d = e & (kK - 1);
+        int const r = pr >= 6 ? 3 : pr >= 3 ? 2 : pr >= 1 ? 1 : 0, s = pr - r * (r + 1) / 2;
+        sm.pw[pr][d] = pow2i(sm.anc_a[r][d] - sm.anc_b[s][d]);
+      }
+      for (int idx = tid; idx < kC * (kK / 2); idx += kThreads) {
+        int const i = idx >> 6, d = (idx & 63) * 2, r = i >> 4;
+        float2 const G = *reinterpret_cast<float2 const*>(&sm.u2.G[i][d]);
+        float2 const q2 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i][d]));
+        float2 const k2 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i][d]));
+        float const sq = p.scale * sm.rstd_q[i], sk = sm.rstd_k[i];
+        float const ea0 = ex2(G.x - float(sm.anc_a[r][d])), ea1 = ex2(G.y - float(sm.anc_a[r][d + 1]));
+        float const fb0 = ex2(float(sm.anc_b[r][d]) - G.x), fb1 = ex2(float(sm.anc_b[r][d + 1]) - G.y);
+        store_pair(&t1_at(i, d), q2.x * sq * ea0, q2.y * sq * ea1);
+        store_pair(&ke_at(i, d), k2.x * sk * ea0, k2.y * sk * ea1);
+        store_pair(&sm.t3.Kf[i][d], k2.x * sk * fb0, k2.y * sk * fb1);
+      }
+      __syncthreads();
+      mark(2);
+
+      // ---- 4: Aqk and L on the 10 sub-block pairs (r, s <= r) each: job j < 10 Aqk, else L, of pair j mod 10;
+      //      warp w takes jobs w, w + 8, w + 16 (the blocks s > r of aqk stay zero from the prologue)
+      for (int job = warp; job < 2 * kPairs; job += 8) {
+        bool const is_l = job >= kPairs;
+        int const pr = is_l ? job - kPairs : job;
+        int const r = pr >= 6 ? 3 : pr >= 3 ? 2 : pr >= 1 ? 1 : 0, s = pr - r * (r + 1) / 2;
+        float acc[2][4];
+        zero(acc);
+        {
+          // row fragment (row 16 r + g8 + 8 h, channel k0 + 2 t4 + 8 x) of Qe or Ke: padded rows, or (kWgmma) sw128k,
+          // where the row mod 8 is g8 and 2 t4 stays below the XORed bits
+          bf16 const* const A = kWgmma ? (is_l ? &sm.t2.Ke[0][0] : &sm.u3.t1[0][0]) + (16 * r + g8) * 64 + 2 * t4
+                                       : (is_l ? &sm.t2.Ke[16 * r][0] : &sm.u3.t1[16 * r][0]) + g8 * kLdK + 2 * t4;
+          auto arow = [&](int h, int k0, int x) -> bf16 const* {
+            int const kk = k0 + 8 * x;
+            if constexpr (kWgmma) return A + (kk >> 6) * kC * 64 + 8 * h * 64 + ((kk & 63) ^ (g8 << 3));
+            return A + 8 * h * kLdK + kk;
+          };
+#pragma unroll
+          for (int k0 = 0; k0 < kK; k0 += 16) {
+            int const d = k0 + 2 * t4;
+            float2 const s01 = *reinterpret_cast<float2 const*>(&sm.pw[pr][d]);
+            float2 const s89 = *reinterpret_cast<float2 const*>(&sm.pw[pr][d + 8]);
+            uint32_t const a0 = scale_pair(ld32(arow(0, k0, 0)), s01.x, s01.y);
+            uint32_t const a1 = scale_pair(ld32(arow(1, k0, 0)), s01.x, s01.y);
+            uint32_t const a2 = scale_pair(ld32(arow(0, k0, 1)), s89.x, s89.y);
+            uint32_t const a3 = scale_pair(ld32(arow(1, k0, 1)), s89.x, s89.y);
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+              bf16 const* b = &sm.t3.Kf[16 * s + nt * 8 + g8][k0 + 2 * t4];
+              mma_bf16_16816(acc[nt], a0, a1, a2, a3, ld32(b), ld32(b + 8));
+            }
+          }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            int const i = 16 * r + g8 + (e >> 1) * 8, j = 16 * s + nt * 8 + 2 * t4 + (e & 1);
+            if (is_l) {
+              sm.u4.L[i][j] = j < i ? sm.beta[i] * acc[nt][e] : 0.f;
+            } else {
+              aqk_at(i, j) = __float2bfloat16_rn(j <= i ? acc[nt][e] : 0.f);
+            }
+          }
+        }
+      }
+      __syncthreads();
+      mark(3);
+
+      // ---- 5a: state-side factors (all exponents <= 0); raw q/k and G read for the last time. Thread = (token
+      //      pair i, i + 1; channel pair d, d + 1), a warp = 8 token pairs x 4 channel pairs: the bf16x2 stores
+      //      into the transposed Kg^T / Kd^T rows and the float2 reads of G rows hit distinct banks.
+      for (int idx = tid; idx < (kC / 2) * (kK / 2); idx += kThreads) {
+        int const l = idx & 31, grp = idx >> 5;
+        int const i = 2 * ((grp & 3) * 8 + (l & 7)), d = 2 * ((grp >> 2) * 4 + (l >> 3));
+        float2 const G0 = *reinterpret_cast<float2 const*>(&sm.u2.G[i][d]);
+        float2 const G1 = *reinterpret_cast<float2 const*>(&sm.u2.G[i + 1][d]);
+        float2 const G63 = *reinterpret_cast<float2 const*>(&sm.u2.G[kC - 1][d]);
+        float2 const q0 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i][d]));
+        float2 const q1 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i + 1][d]));
+        float2 const k0 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i][d]));
+        float2 const k1 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i + 1][d]));
+        float const sq0 = p.scale * sm.rstd_q[i], sq1 = p.scale * sm.rstd_q[i + 1];
+        float const sk0 = sm.rstd_k[i], sk1 = sm.rstd_k[i + 1];
+        float const e00 = ex2(G0.x), e01 = ex2(G0.y), e10 = ex2(G1.x), e11 = ex2(G1.y);  // e[token][channel]
+        store_pair(&t1_at(i, d), q0.x * sq0 * e00, q0.y * sq0 * e01);
+        store_pair(&t1_at(i + 1, d), q1.x * sq1 * e10, q1.y * sq1 * e11);
+        store_pair(&kgT_at(d, i), k0.x * sk0 * e00, k1.x * sk1 * e10);
+        store_pair(&kgT_at(d + 1, i), k0.y * sk0 * e01, k1.y * sk1 * e11);
+        store_pair(&kdT_at(d, i), k0.x * sk0 * ex2(G63.x - G0.x), k1.x * sk1 * ex2(G63.x - G1.x));
+        store_pair(&kdT_at(d + 1, i), k0.y * sk0 * ex2(G63.y - G0.y), k1.y * sk1 * ex2(G63.y - G1.y));
+      }
+      __syncthreads();
+      mark(4);
+
+      // ---- 5b: inverse X = (I + L)^-1 by 16-blocks: X_rr = D_r = (I + L_rr)^-1 (forward substitution) and,
+      //      for s < r, X_rs = -D_r T_rs with T_rs = sum_{t=s}^{r-1} L_rt X_ts (sums over t, then m, in order).
+      //      akkb = bf16(X diag(beta)) (the A operand of phases 6-7): off-diagonal blocks by their producer, the
+      //      diagonal and zero blocks by idle warps in steps 4 and 5 below. Diagonal: warp r < 4, lane = column.
+      if (warp < 4) {
+        int const r = warp, c = lane & 15, o = 16 * r;
+        float x[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          float s = i == c ? 1.f : 0.f;
+#pragma unroll
+          for (int j = 0; j < i; ++j) s = fmaf(-sm.u4.L[o + i][o + j], x[j], s);
+          x[i] = s;
+        }
+        if (lane < 16) {
+#pragma unroll
+          for (int i = 0; i < 16; ++i) sm.u1.X[o + i][o + c] = x[i];
+        }
+      }
+      __syncthreads();
+      // Off-diagonal blocks: a group of 64 threads (grp = warp / 2) computes one block per step, thread = a
+      // 1 x 4 strip (row si, columns sj .. sj + 3): one L element times a float4 of X per fma step. The six
+      // steps follow the longest chain X_10 -> X_20 -> X_30; a chain's earlier terms are summed in earlier
+      // steps (T_30: t = 0, 1, 2 in steps 1, 3, 5 in registers; T_31's t = 1 term through X's unused
+      // upper block (0, 3)); T blocks wait for their D_r product in tmp.
+      {
+        int const grp = warp >> 1, si = (tid >> 2) & 15, sj = (tid & 3) * 4;
+        // acc += L_rt X_ts on the strip (block row r, column block s)
+        auto lx = [&](float4& acc, int r, int t, int s) {
+#pragma unroll
+          for (int m = 0; m < 16; ++m) {
+            float const l = sm.u4.L[16 * r + si][16 * t + m];
+            float4 const xv = *reinterpret_cast<float4 const*>(&sm.u1.X[16 * t + m][16 * s + sj]);
+            acc.x = fmaf(l, xv.x, acc.x);
+            acc.y = fmaf(l, xv.y, acc.y);
+            acc.z = fmaf(l, xv.z, acc.z);
+            acc.w = fmaf(l, xv.w, acc.w);
+          }
+        };
+        auto tmp = [&](int slot) { return reinterpret_cast<float4*>(&sm.tmp[slot][si][sj]); };
+        // X_rs = -D_r T, T in tmp[slot]; X diag(beta) to akkb
+        auto dx = [&](int r, int s, int slot) {
+          float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+          for (int m = 0; m < 16; ++m) {
+            float const xv = sm.u1.X[16 * r + si][16 * r + m];
+            float4 const tv = *reinterpret_cast<float4 const*>(&sm.tmp[slot][m][sj]);
+            acc.x = fmaf(xv, tv.x, acc.x);
+            acc.y = fmaf(xv, tv.y, acc.y);
+            acc.z = fmaf(xv, tv.z, acc.z);
+            acc.w = fmaf(xv, tv.w, acc.w);
+          }
+          int const i = 16 * r + si, j = 16 * s + sj;
+          float4 const xn = make_float4(-acc.x, -acc.y, -acc.z, -acc.w);
+          *reinterpret_cast<float4*>(&sm.u1.X[i][j]) = xn;
+          store_pair(&akkb_at(i, j), xn.x * sm.beta[j], xn.y * sm.beta[j + 1]);
+          store_pair(&akkb_at(i, j + 2), xn.z * sm.beta[j + 2], xn.w * sm.beta[j + 3]);
+        };
+        float4* const part31 = reinterpret_cast<float4*>(&sm.u1.X[si][48 + sj]);  // X block (0, 3): unused
+        float4 const z4 = make_float4(0.f, 0.f, 0.f, 0.f);
+        float4 acc30 = z4, acc = z4;
+        // step 1: T_30 (t = 0) | T_20 (t = 0, kept in acc) | T_10 -> tmp 0 | T_21 -> tmp 1
+        if (grp == 0) {
+          lx(acc30, 3, 0, 0);
+        } else {
+          int const r = grp == 2 ? 1 : 2, ts = grp == 3 ? 1 : 0;  // (r, t = s): (2, 0) | (1, 0) | (2, 1)
+          lx(acc, r, ts, ts);
+          if (grp >= 2) *tmp(grp - 2) = acc;
+        }
+        __syncthreads();
+        // step 2: T_32 | T_31 (t = 1) | X_10 | X_21
+        if (grp == 0) {
+          float4 t32 = z4;
+          lx(t32, 3, 2, 2);
+          *tmp(2) = t32;
+        } else if (grp == 1) {
+          float4 t31 = z4;
+          lx(t31, 3, 1, 1);
+          *part31 = t31;
+        } else {
+          dx(grp == 2 ? 1 : 2, grp == 2 ? 0 : 1, grp - 2);
+        }
+        __syncthreads();
+        // step 3: T_30 (t = 1) | T_20 (t = 1) | X_32 | T_31 (t = 2)
+        if (grp == 0) {
+          lx(acc30, 3, 1, 0);
+        } else if (grp == 1) {
+          lx(acc, 2, 1, 0);
+          *tmp(0) = acc;
+        } else if (grp == 2) {
+          dx(3, 2, 2);
+        } else {
+          float4 t31 = *part31;
+          lx(t31, 3, 2, 1);
+          *tmp(1) = t31;
+        }
+        __syncthreads();
+        // step 4: X_20 (warps 2, 3) | X_31 (warps 4, 5) | akkb of the 4 diagonal blocks (warps 0, 1, 6, 7: column
+        //         pairs, 4 blocks x 16 rows x 8 pairs)
+        if (grp == 1) {
+          dx(2, 0, 0);
+        } else if (grp == 2) {
+          dx(3, 1, 1);
+        } else {
+#pragma unroll
+          for (int e = (grp == 0 ? tid : tid - 128); e < 4 * kBC * 8; e += 128) {
+            int const i = 16 * (e >> 7) + ((e >> 3) & 15), j = 16 * (e >> 7) + (e & 7) * 2;
+            float2 const xv = *reinterpret_cast<float2 const*>(&sm.u1.X[i][j]);
+            store_pair(&akkb_at(i, j), xv.x * sm.beta[j], xv.y * sm.beta[j + 1]);
+          }
+        }
+        __syncthreads();
+        // step 5: T_30 (t = 2) | akkb's 6 zero blocks (rb, cb > rb) (warps 2-7: 6 x 16 rows x 8 pairs)
+        if (grp == 0) {
+          lx(acc30, 3, 2, 0);
+          *tmp(2) = acc30;
+        } else {
+#pragma unroll
+          for (int e = tid - 64; e < 6 * kBC * 8; e += 192) {
+            int const bk = e >> 7, rb = bk < 3 ? 0 : bk < 5 ? 1 : 2, cb = bk < 3 ? bk + 1 : bk < 5 ? bk - 1 : 3;
+            int const i = 16 * rb + ((e >> 3) & 15), j = 16 * cb + (e & 7) * 2;
+            store_pair(&akkb_at(i, j), 0.f * sm.beta[j], 0.f * sm.beta[j + 1]);
+          }
+        }
+        __syncthreads();
+        // step 6: X_30
+        if (grp == 0) dx(3, 0, 2);
+#ifndef FLA_CULA_KDA_HOST_EMULATION
+        // akkb and Kg^T (and this chunk's t1, sT, vT), written through the generic proxy, become visible to the
+        // wgmma of phases 6-7
+        if constexpr (kWgmma) cutlass::arch::fence_view_async_shared();
+#endif
+        __syncthreads();
+      }
+      // grad extras: Akk = bf16(X) (zeros above the diagonal), Aqk; X is raw q/k's storage (prefetched next)
+      if (extras) {
+        for (int idx = tid; idx < rows * (kC / 2); idx += kThreads) {
+          int const i = idx >> 5, j = (idx & 31) * 2;
+          bool const up = (j >> 4) > (i >> 4);
+          float const x0 = up ? 0.f : sm.u1.X[i][j], x1 = up ? 0.f : sm.u1.X[i][j + 1];
+          int64_t const off = (tok0 + i) * p.extras_tok_stride + int64_t(hv) * kC + j;
+          store_pair(static_cast<bf16*>(p.Akk) + off, x0, x1);
+          *reinterpret_cast<uint32_t*>(static_cast<bf16*>(p.Aqk) + off) = ld32(&aqk_at(i, j));
+        }
+        __syncthreads();
+      }
+      mark(5);
+      if (prefetch) issue_qk(chunk + 1);  // u1.raw: X was last read above (barrier between)
+
+      // ---- 6: -W = -(X diag b) Kg : 64 x 128, warp = (row tile w/2, 64 columns), or (kWgmma) warpgroup = 64 columns
+      {
+        int const mt = kWgmma ? (warp & 3) : (warp >> 1), nb = (kWgmma ? (warp >> 2) : (warp & 1)) * 64;
+        float acc[8][4];
+        zero(acc);
+        if constexpr (kWgmma) {
+          wg_mma_tn<64>(acc, &sm.akkb[0][0], &sm.t2.KgT[0][0] + nb * kC, lane, warp & 3);
+        } else {
+          warp_mma_tn<8, kC>(acc, &sm.akkb[16 * mt][0], kLdC, &sm.t2.KgT[nb][0], kLdC, lane);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          int const i = 16 * mt + g8, d = nb + nt * 8 + 2 * t4;
+          store_pair(&wn_at(i, d), -acc[nt][0], -acc[nt][1]);
+          store_pair(&wn_at(i + 8, d), -acc[nt][2], -acc[nt][3]);
+        }
+      }
+#ifndef FLA_CULA_KDA_HOST_EMULATION
+      if constexpr (kWgmma) cutlass::arch::fence_view_async_shared();  // -W for phase 7's wgmma
+#endif
+      __syncthreads();
+      mark(6);
+
+      if constexpr (kPass == kKdaPrep) {
+        write_record(chunk);
+        __syncthreads();  // Qg (t1) was copied out: u3.graw may take the next chunk's g
+        if (prefetch) {
+          issue_g(chunk + 1);
+          load_vb(chunk + 1);
+          store_vb();  // beta last read in phase 5 (barriers between)
+        }
+        cp_async_wait_all();
+        __syncthreads();
+      } else {
+        float o_acc[kNO][4];
+        phase7(o_acc);
+        // the operand tiles of phase 8 (aqk, Kd^T, V'^T), written through the generic proxy, become visible to wgmma
+        if constexpr (kWgmma) fence_async_shared();
+        __syncthreads();
+        mark(7);
+        if (prefetch) {
+          issue_g(chunk + 1);  // u3.graw: Qg (t1) was last read in phase 7 (barrier between)
+          load_vb(chunk + 1);  // into registers; vT / beta are stored after phase 8
+        }
+        phase8(o_acc, tok0, rows);
+        if constexpr (kProfile) __syncthreads();  // the timer build splits the products from the wait for chunk + 1
+        mark(8);
+        if (prefetch) store_vb();  // vT last read in phase 7, beta in phase 5 (barriers between)
+        cp_async_wait_all();       // this thread's copies of chunk + 1 landed; the barrier publishes them
+        __syncthreads();
+        mark(9);
+      }
+    }
   }
   if (prof && tid == 0) {
     for (int ph = 0; ph < kKdaFwdPhases; ++ph) p.phase_cycles[int64_t(blockIdx.x) * kKdaFwdPhases + ph] = sm.prof[ph];
   }
 
-  // ---- final state
-  if (p.ht != nullptr) {
-    int const d0 = warp * 16 + g8;
+  // ---- final state: ht (fused; kState's last segment), or the maps pass's seg_H / seg_M (K-major)
+  if constexpr (kPass != kKdaPrep) {
+    bool const to_ht = p.ht != nullptr && (kPass == kKdaFused || (!p.maps && seg == last_seg));
+    bool const to_seg = kPass == kKdaState && p.maps;
+    if (to_ht || to_seg) {
+      int const d0 = warp * 16 + g8;
 #pragma unroll
-    for (int nt = 0; nt < kNS; ++nt) {
-      int const c = nt * 8 + 2 * t4;
+      for (int nt = 0; nt < kNS; ++nt) {
+        int const c = nt * 8 + 2 * t4;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) p.ht[state_index(d0 + (e >> 1) * 8, c + (e & 1))] = S[nt][e];
+        for (int e = 0; e < 4; ++e) {
+          int const d = d0 + (e >> 1) * 8, cc = c + (e & 1);
+          if (to_ht) {
+            p.ht[state_index(d, cc)] = S[nt][e];
+          } else if (mmap) {
+            p.seg_M[seg_index(seg - 1, d, cc)] = S[nt][e];
+          } else {
+            p.seg_H[seg_index(seg, d, cc)] = S[nt][e];
+          }
+        }
+      }
     }
   }
+}
+
+// The fused forward: one CTA per (sequence, value head, V block) runs every phase of every chunk.
+template <GateForm kGate, bool kProfile, int kBV, bool kWgmma = false>
+__global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(__grid_constant__ KdaFwdParams const p) {
+  kda_fwd_body<kGate, kProfile, kBV, kWgmma, kKdaFused>(p);
+}
+
+// The two-kernel form, kernel 1: phases 1-6 of chunks_per_cta chunks per CTA (n, hv, chunk block), chunk-parallel;
+// each chunk's operand tiles to its record.
+template <GateForm kGate>
+__global__ void __launch_bounds__(kThreads, 1) kda_prep_kernel(__grid_constant__ KdaFwdParams const p) {
+  kda_fwd_body<kGate, false, 64, true, kKdaPrep>(p);
+}
+
+// Kernel 2: phases 7-8 of a segment (or a whole sequence) per CTA (n, unit, hv, V block) from the records.
+template <int kBV>
+__global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(__grid_constant__ KdaFwdParams const p) {
+  kda_fwd_body<GateForm::SigmoidLB, false, kBV, true, kKdaState>(p);
 }
 
 }  // namespace fla_cula::kda_sm90

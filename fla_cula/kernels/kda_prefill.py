@@ -21,7 +21,9 @@ then the op's routing policy (``_route_reason``: grad, small grids -> FLA; run()
 dims, devices, contiguity and alignment, never B, T, N or the varlen layout.
 """
 
+import dataclasses
 import functools
+import math
 
 import torch
 from fla.modules.norm.l2norm import l2norm_fwd
@@ -47,18 +49,28 @@ _PARAM_DTYPES = (torch.float32, torch.bfloat16)
 
 # block_v None: block_v_for(); 64 or 128: forced (tests, benchmarks). wgmma: the state-side products (phases
 # 6-8) on warpgroup MMA (docs/kda_sm90.md "v2.1": 20% faster per chunk than mma.sync at block_v 128);
-# False: the same phases on mma.sync, kept for comparison.
-_TUNING = {"block_v": None, "wgmma": True}
+# False: the same phases on mma.sync, kept for comparison. two_kernel: None = the cost model picks the fused kernel
+# or the two-kernel form (the latter only once TWO_KERNEL_VERIFIED); True / False forces it. segments: None = the
+# cost model's split of the two-kernel form; P >= 1 forces P segments (1: no split).
+_TUNING = {"block_v": None, "wgmma": True, "two_kernel": None, "segments": None}
 
 
-def set_tuning(block_v: int | None = None, wgmma: bool = True) -> None:
-    """Force the V columns per CTA (64 or 128) for every call (None: chosen per call) and pick the instruction of the
-    state-side products (wgmma or mma.sync); no argument: the defaults."""
+def set_tuning(block_v: int | None = None, wgmma: bool = True, two_kernel: bool | None = None,
+               segments: int | None = None) -> None:
+    """Force the V columns per CTA (64 or 128) for every call (None: chosen per call), pick the instruction of the
+    state-side products (wgmma or mma.sync), force or forbid the two-kernel form and its number of segments; no
+    argument: the defaults."""
     if block_v not in (None, 64, 128):
         raise ValueError(f"block_v={block_v!r}: expected None, 64 or 128")
     if not isinstance(wgmma, bool):
         raise TypeError(f"wgmma: expected a bool, got {type(wgmma).__name__}")
-    _TUNING.update(block_v=block_v, wgmma=wgmma)
+    if two_kernel not in (None, True, False):
+        raise TypeError(f"two_kernel: expected None or a bool, got {two_kernel!r}")
+    if segments is not None and (not isinstance(segments, int) or isinstance(segments, bool) or segments < 1):
+        raise ValueError(f"segments={segments!r}: expected None or an int >= 1")
+    if two_kernel and not wgmma:
+        raise ValueError("two_kernel=True needs wgmma=True (the records are wgmma tile images)")
+    _TUNING.update(block_v=block_v, wgmma=wgmma, two_kernel=two_kernel, segments=segments)
 
 
 @functools.lru_cache(maxsize=16)
@@ -140,19 +152,130 @@ FLA_NS_PER_TOKEN_HEAD = 3.21           # FLA 0.6.0, B2 T8192 H64: 3.367 ms / (2 
 ROUTE_GAIN = 0.9
 
 
+# FLA's state pass is serial over a sequence's chunks: at small grids its time is that chain, not the per-token rate
+# (B1 T8192 H8, graph replay: 0.41 ms for 128 chunks, docs/kda_sm90.md "v1.1").
+FLA_US_PER_SERIAL_CHUNK = 3.2
+
+
+def _pass_us(chunks: list[int], copies: int, sms: int, us: float) -> float:
+    """One launch of CTAs with these chunk counts, each `copies` times (heads x V blocks), at `us` per chunk on `sms`
+    SMs (one CTA per SM): full waves for equal counts, else the average load plus the longest CTA (a bound)."""
+    if not chunks:
+        return 0.0
+    if len(set(chunks)) <= 1:
+        return -(-len(chunks) * copies // sms) * chunks[0] * us
+    return (sum(chunks) * copies / sms + max(chunks)) * us
+
+
+def fla_us(lens: list[int], HV: int) -> float:
+    """FLA 0.6.0's predicted microseconds (graph replay): its per-token rate, or its serial state pass."""
+    chunks = max((-(-L // CHUNK) for L in lens), default=0)
+    return max(sum(lens) * HV * FLA_NS_PER_TOKEN_HEAD * 1e-3, chunks * FLA_US_PER_SERIAL_CHUNK)
+
+
 def predicted_us(lens: list[int], HV: int, sms: int) -> tuple[float, float]:
-    """(kernel, FLA) predicted microseconds for sequences of these lengths x HV value heads (pure). The kernel:
+    """(fused kernel, FLA) predicted microseconds for sequences of these lengths x HV value heads (pure). The kernel:
     CTAs of ceil(len / 64) chunks in launch order on `sms` SMs, bounded by full waves of the average work plus
     the longest sequence (equal lengths: exactly waves x chunks)."""
     bv = block_v_for(len(lens), HV, sms)
-    per = HEAD_DIM // bv
     chunks = [-(-L // CHUNK) for L in lens]
-    ctas = len(lens) * HV * per
-    if len(set(chunks)) <= 1:
-        kernel = -(-ctas // sms) * (chunks[0] if chunks else 0) * US_PER_CHUNK[bv]
-    else:
-        kernel = (sum(chunks) * HV * per / sms + max(chunks)) * US_PER_CHUNK[bv]
-    return kernel, sum(lens) * HV * FLA_NS_PER_TOKEN_HEAD * 1e-3
+    return _pass_us(chunks, HV * (HEAD_DIM // bv), sms, US_PER_CHUNK[bv]), fla_us(lens, HV)
+
+
+# ---- The two-kernel form (docs/kda_sm90.md "Two kernels and the exact sequence split"): kernel 1 runs the prep
+# (phases 1-6, 75% of a fused chunk) chunk-parallel and writes each chunk's operand tiles to a record; kernel 2 runs
+# the state phases from the records, over whole sequences or, split, over P segments: pass 1 (maps) gives each
+# segment's end state from a zero start and its transition map (the same recurrence on v = 0 from the identity),
+# the host combines them in order (fp64), pass 2 runs every segment from its true start state and writes o.
+# The per-chunk costs below are predictions from the measured phases of the fused kernel (v2.2, cycles per chunk at
+# 1.98 GHz), not yet measured in this form; TWO_KERNEL_VERIFIED stays False until it has run on the H200, and
+# until then only set_tuning(two_kernel=True) (tests, benchmarks) takes it.
+TWO_KERNEL_VERIFIED = False
+REC_BYTES = int(_C.KDA_REC_BYTES)
+PREP_CHUNKS = 4                     # chunks per prep CTA: the next chunk's loads overlap the current one's phases
+PREP_US_PER_CHUNK = 11.0            # phases 1-6: 20.6K cycles + ~1K to store the 64.5 KB record
+STATE_US_PER_CHUNK = {64: 2.5, 128: 3.6}   # phases 7-8 + the v store: 4.3K / 6.6K cycles + record waits
+MAPS_US_PER_CHUNK = 2.0             # block_v 128 without O: V' and the state update
+COMBINE_US = (8.0, 3.0)             # the host combine: fixed, and per serial segment step
+LAUNCH_US = 3.0                     # each launch after the first (graph replay)
+MAX_SEGMENTS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoKernelPlan:
+    segments: int     # P (1: kernel 2 over whole sequences)
+    seg_chunks: int   # chunks per segment (0 when P = 1); segment P - 1 also takes what lies beyond
+    block_v: int      # pass 2's V columns per CTA
+    prep_units: int   # prep CTAs per (sequence, value head), PREP_CHUNKS chunks each
+    us: float         # predicted microseconds
+
+
+def two_kernel_plan(lens: list[int], HV: int, sms: int, segments: int | None = None,
+                    block_v: int | None = None) -> TwoKernelPlan:
+    """The cheapest (segments, block_v) of the two-kernel form for these lengths (pure); `segments` / `block_v`
+    force them."""
+    chunks = [-(-L // CHUNK) for L in lens]
+    maxc = max(chunks, default=0)
+    prep_units = max(1, -(-maxc // PREP_CHUNKS))
+    blocks = [min(PREP_CHUNKS, c - PREP_CHUNKS * u) for c in chunks for u in range(-(-c // PREP_CHUNKS))]
+    prep = _pass_us(blocks, HV, sms, PREP_US_PER_CHUNK)
+    best = None
+    for P in ([segments] if segments else range(1, MAX_SEGMENTS + 1)):
+        seg = -(-maxc // P) if P > 1 else 0
+        if P > 1 and (seg == 0 or -(-maxc // seg) < P):
+            continue  # fewer non-empty segments than P: a smaller P does the same
+        for bv in ([block_v] if block_v else (64, 128)):
+            if P == 1:
+                t = _pass_us(chunks, HV * (HEAD_DIM // bv), sms, STATE_US_PER_CHUNK[bv])
+            else:
+                parts = [min(seg, c - seg * s) for c in chunks for s in range(-(-c // seg))]
+                maps = [min(seg, c - seg * s) for c in chunks for s in range(min(P - 1, -(-c // seg)))]
+                t = (_pass_us(maps, HV * 2, sms, MAPS_US_PER_CHUNK) + COMBINE_US[0] + COMBINE_US[1] * (P - 2)
+                     + _pass_us(parts, HV * (HEAD_DIM // bv), sms, STATE_US_PER_CHUNK[bv]) + 2 * LAUNCH_US)
+            plan = TwoKernelPlan(P, seg, bv, prep_units, prep + LAUNCH_US + t)
+            if best is None or plan.us < best.us:
+                best = plan
+    if best is None:  # forced segments beyond the chunks: P segments of one chunk, the last taking the rest
+        best = TwoKernelPlan(segments, 1, block_v or 64, prep_units, math.inf)
+    return best
+
+
+def record_slots(B: int, T: int, N: int) -> int:
+    """Record slots per value head: chunk c of sequence n is slot floor(bos_n / 64) + n + c, below this."""
+    return B * T // CHUNK + N
+
+
+def combine_segments(seg_H: torch.Tensor, seg_M: torch.Tensor) -> None:
+    """The split's combine, in place. seg_H [P-1, N, HV, K, V] fp32: segment s's end state from its own start (h0
+    for s = 0, else 0); seg_M [P-2, N, HV, K, K]: the transition maps of segments 1 .. P-2 (end = M start + H).
+    Afterwards seg_H[s] is the true state at the end of segment s, the start of segment s + 1. Products in fp64
+    (exact for these fp32 factors up to fp64 rounding, whatever torch's fp32 matmul precision is set to)."""
+    if seg_H.shape[0] < 2:
+        return
+    K, V = seg_H.shape[-2:]
+    Hd, Md = seg_H.double(), seg_M.double()
+    for s in range(1, Hd.shape[0]):
+        Hd[s].view(-1, K, V).baddbmm_(Md[s - 1].view(-1, K, K), Hd[s - 1].view(-1, K, V))
+    seg_H[1:].copy_(Hd[1:])
+
+
+def run_two_kernel(launch, N: int, HV: int, slots: int, device, plan: TwoKernelPlan, o, ht, Aqk, Akk) -> None:
+    """The two-kernel form: `launch(**kw)` runs one pass of the kernel (the extension's kda_fwd with this call's
+    inputs bound; the CPU emulator in tests) with the keywords pass_kind, rec, chunks_per_cta, units, maps, seg_H,
+    seg_M, block_v, o, ht, Aqk, Akk. Allocates the records (64.5 KB per chunk and value head) and the segment
+    states (64 KB per (sequence, value head) and segment, 2 P - 3 of them)."""
+    rec = torch.empty(HV, slots, REC_BYTES, dtype=torch.uint8, device=device)
+    launch(pass_kind=1, rec=rec, chunks_per_cta=PREP_CHUNKS, units=plan.prep_units, maps=False, seg_H=None,
+           seg_M=None, block_v=64, o=None, ht=None, Aqk=Aqk, Akk=Akk)
+    P, seg_H = plan.segments, None
+    if P > 1:
+        seg_H = torch.empty(P - 1, N, HV, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
+        seg_M = torch.empty(P - 2, N, HV, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
+        launch(pass_kind=2, rec=rec, chunks_per_cta=plan.seg_chunks, units=2 * P - 3, maps=True, seg_H=seg_H,
+               seg_M=seg_M, block_v=128, o=None, ht=None, Aqk=None, Akk=None)
+        combine_segments(seg_H, seg_M)
+    launch(pass_kind=2, rec=rec, chunks_per_cta=plan.seg_chunks, units=P, maps=False, seg_H=seg_H, seg_M=None,
+           block_v=plan.block_v, o=o, ht=ht, Aqk=None, Akk=None)
 
 
 def _route_reason(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu,
@@ -173,9 +296,12 @@ def _route_reason(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, c
         return "v1: varlen without cu_seqlens_cpu (no host lengths to predict the kernel's time with)"
     sms = _sm_count(q.device) if q.is_cuda else 132
     ours, fla = predicted_us(lens, v.shape[2], sms)
+    two = two_kernel_choice(lens, v.shape[2], sms)
+    ours = min(ours, two.us) if two is not None else ours
     if ours >= ROUTE_GAIN * fla:
-        return (f"predicted {ours / 1e3:.2f} ms vs FLA {fla / 1e3:.2f} ms: v1's serial chunk chain per CTA "
-                f"(no sequence split) does not pay on this grid")
+        return (f"predicted {ours / 1e3:.2f} ms vs FLA {fla / 1e3:.2f} ms: the fused kernel's serial chunk chain "
+                f"per CTA does not pay on this grid" + ("" if TWO_KERNEL_VERIFIED else
+                                                        " (the two-kernel split is not yet verified on the H200)"))
     return None
 
 
@@ -190,10 +316,50 @@ def _size_reason(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu
     return None
 
 
+def _lens(q, cu_seqlens, cu_seqlens_cpu) -> list[int]:
+    """Host sequence lengths (varlen without cu_seqlens_cpu: read from the device, a sync; the routing policy never
+    gets here that way, forced tuning may)."""
+    if cu_seqlens is None:
+        return [q.shape[1]] * q.shape[0]
+    cu = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
+    return (cu[1:] - cu[:-1]).tolist()
+
+
+def two_kernel_choice(lens: list[int], HV: int, sms: int) -> TwoKernelPlan | None:
+    """The two-kernel plan this call takes, or None for the fused kernel: forced by set_tuning(two_kernel=...), else
+    (once TWO_KERNEL_VERIFIED) where it predicts faster than the fused kernel."""
+    forced = _TUNING["two_kernel"]
+    if forced is False or not _TUNING["wgmma"] or (forced is None and not TWO_KERNEL_VERIFIED):
+        return None
+    plan = two_kernel_plan(lens, HV, sms, _TUNING["segments"], _TUNING["block_v"])
+    if forced is None and plan.us >= predicted_us(lens, HV, sms)[0]:
+        return None
+    return plan
+
+
+def _launcher(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cfg: KDAChunkConfig, l2: bool, bsig: bool,
+              beta_scale: float):
+    """launch(o=, ht=, Aqk=, Akk=, **kw): one kda_fwd launch on these (contiguous) inputs; kw: block_v, wgmma and
+    the two-kernel pass keywords."""
+    def launch(*, o, ht, Aqk, Akk, **kw):
+        _C.kda_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o, ht, Aqk, Akk, cfg.scale,
+                   cfg.lower_bound, l2, bsig, beta_scale, cfg.state_v_first, **kw)
+    return launch
+
+
+def launcher(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, cfg: KDAChunkConfig):
+    """The inference form's pass launcher for run_two_kernel over these inputs (contiguous ones; benchmarks time the
+    passes one by one with it)."""
+    return functools.partial(_launcher(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cfg,
+                                       cfg.use_qk_l2norm_in_kernel, cfg.use_beta_sigmoid_in_kernel,
+                                       2.0 if cfg.allow_neg_eigval else 1.0), wgmma=True)
+
+
 def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, cfg: KDAChunkConfig,
              need_grad: bool) -> KDAForward:
-    """Run the kernel on the current stream; allocates only outputs (and, under grad, what FLA's backward
-    reads). Inputs are made contiguous as FLA's input_guard does (no copy when they already are)."""
+    """Run the kernel(s) on the current stream; allocates only outputs (and, under grad, what FLA's backward
+    reads; the two-kernel form's records and segment states). Inputs are made contiguous as FLA's input_guard does
+    (no copy when they already are)."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     if A_log is not None:
         A_log = A_log.contiguous()
@@ -208,24 +374,30 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seq
     o = torch.empty(B, T, HV, HEAD_DIM, dtype=q.dtype, device=dev)
     ht = torch.empty(N, HV, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=dev) if cfg.output_final_state else None
     beta_scale = 2.0 if cfg.allow_neg_eigval else 1.0
-    bv = _block_v(N, HV, dev)
-    if not need_grad:
-        _C.kda_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o, ht, None, None, cfg.scale,
-                   cfg.lower_bound, cfg.use_qk_l2norm_in_kernel, cfg.use_beta_sigmoid_in_kernel, beta_scale,
-                   cfg.state_v_first, block_v=bv, wgmma=_TUNING["wgmma"])
-        return KDAForward(o, ht)
+    l2, bsig = cfg.use_qk_l2norm_in_kernel, cfg.use_beta_sigmoid_in_kernel
+    q_rstd = k_rstd = Aqk = Akk = None
+    if need_grad:
+        # What FLA's backward reads, made by FLA's own functions; the kernel runs on those tensors.
+        if l2:
+            q, q_rstd = l2norm_fwd(q)
+            k, k_rstd = l2norm_fwd(k)
+        if bsig:
+            beta = fused_beta_sigmoid_fwd(beta, beta_scale)
+        l2, bsig, beta_scale = False, False, 1.0
+        Aqk = torch.empty(B, T, HV, CHUNK, dtype=k.dtype, device=dev)
+        Akk = torch.empty(B, T, HV, CHUNK, dtype=k.dtype, device=dev)
 
-    # Grad: what FLA's backward reads, made by FLA's own functions; the kernel runs on those tensors.
-    q_rstd = k_rstd = None
-    if cfg.use_qk_l2norm_in_kernel:
-        q, q_rstd = l2norm_fwd(q)
-        k, k_rstd = l2norm_fwd(k)
-    if cfg.use_beta_sigmoid_in_kernel:
-        beta = fused_beta_sigmoid_fwd(beta, beta_scale)
-    Aqk = torch.empty(B, T, HV, CHUNK, dtype=k.dtype, device=dev)
-    Akk = torch.empty(B, T, HV, CHUNK, dtype=k.dtype, device=dev)
-    _C.kda_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o, ht, Aqk, Akk, cfg.scale,
-               cfg.lower_bound, False, False, 1.0, cfg.state_v_first, block_v=bv, wgmma=_TUNING["wgmma"])
+    launch = _launcher(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cfg, l2, bsig, beta_scale)
+    two = None
+    if _TUNING["two_kernel"] or (_TUNING["two_kernel"] is None and TWO_KERNEL_VERIFIED):
+        two = two_kernel_choice(_lens(q, cu_seqlens, cu_seqlens_cpu), HV, _sm_count(dev))
+    if two is not None:
+        run_two_kernel(functools.partial(launch, wgmma=True), N, HV, record_slots(B, T, N), dev, two, o, ht, Aqk,
+                       Akk)
+    else:
+        launch(o=o, ht=ht, Aqk=Aqk, Akk=Akk, block_v=_block_v(N, HV, dev), wgmma=_TUNING["wgmma"])
+    if not need_grad:
+        return KDAForward(o, ht)
     chunk_indices = None
     if cu_seqlens is not None:
         chunk_indices = prepare_chunk_indices(cu_seqlens=cu_seqlens, chunk_size=CHUNK, cu_seqlens_cpu=cu_seqlens_cpu)

@@ -473,6 +473,74 @@ def test_wgmma_variant(c, bv, strict_mode, fla_fns):
         assert rel_rms(outs[False][1], outs[True][1]) < 1e-3
 
 
+# The two-kernel form (docs/kda_sm90.md "Two kernels and the exact sequence split"): the prep kernel's records and the
+# state kernel over whole sequences (segments=1) or split into P segments (maps, combine, pass 2). It passes the fp64
+# / FLA bars on its own; unsplit it is bit-identical to the fused wgmma kernel at the same block_v (the records are
+# that kernel's own tiles); split it regroups fp32 products (close, not equal).
+TWO_KERNEL_CASES = {"T65-B1-vfirst": FIXED["T65-B1-vfirst"],
+                    "GVA-H2-HV8-T1000-B2-vfirst": FIXED["GVA-H2-HV8-T1000-B2-vfirst"],
+                    "empty-mid-i64": VARLEN["empty-mid-i64"], "long+short-i32": VARLEN["long+short-i32"],
+                    "tails-i64-cpu": VARLEN["tails-i64-cpu"], "slow-H4-lb-5-B1": SLOW["slow-H4-lb-5-B1"],
+                    "slow-varlen-H4-lb-5": SLOW["slow-varlen-H4-lb-5"]}
+
+
+@pytest.mark.parametrize("segments", [1, 3, 8])
+@pytest.mark.parametrize("bv", [64, 128])
+@pytest.mark.parametrize("c", _params(TWO_KERNEL_CASES, {"T65-B1-vfirst", "empty-mid-i64", "slow-H4-lb-5-B1"}))
+def test_two_kernel(c, bv, segments, strict_mode, fla_fns):
+    from fla_cula.kernels import kda_prefill
+    outs = {}
+    try:
+        for two in (False, True):
+            kda_prefill.set_tuning(block_v=bv, two_kernel=two, segments=segments if two else None)
+            fla_cula.reset_status()
+            _, o, ht, _ = check_forward(c, fla_fns)
+            outs[two] = (o, ht)
+    finally:
+        kda_prefill.set_tuning()
+    (o1, ht1), (o2, ht2) = outs[False], outs[True]
+    if segments == 1:
+        assert torch.equal(o1, o2) and (ht1 is None or torch.equal(ht1, ht2))
+    else:
+        assert rel_rms(o1.float(), o2.float()) < 2e-3
+        assert ht1 is None or rel_rms(ht1, ht2) < 1e-3
+
+
+def test_two_kernel_graph_replay(strict_mode):
+    """The split (prep, maps, the fp64 combine, pass 2) captured in a CUDA graph replays to the eager bits."""
+    from fla_cula.kernels import kda_prefill
+    c = cfg(T=1000, B=1, H=2, HV=4, seed=31)
+    x = make_inputs(c)
+    try:
+        kda_prefill.set_tuning(two_kernel=True, segments=4)
+        with torch.inference_mode():
+            o1, ht1 = call(ops_kda.chunk_kda, x, c)
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                call(ops_kda.chunk_kda, x, c)          # warm-up outside the capture
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                o2, ht2 = call(ops_kda.chunk_kda, x, c)
+            o2.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+    finally:
+        kda_prefill.set_tuning()
+    assert torch.equal(o1, o2) and torch.equal(ht1, ht2)
+
+
+def test_two_kernel_plan():
+    """The cost model's split choice: small grids split, big ones do not; forced segments are honoured."""
+    from fla_cula.kernels import kda_prefill as kp
+    assert kp.two_kernel_plan([8192], 8, 132).segments > 1
+    assert kp.two_kernel_plan([8192] * 2, 64, 132).segments == 1
+    assert kp.two_kernel_plan([8192], 8, 132, segments=3).segments == 3
+    with pytest.raises(ValueError, match="segments"):
+        kp.set_tuning(segments=0)
+
+
 def test_block_v_choice():
     """One wave of 64-column CTAs while they fit the SMs, else 128 (the prep once per pair)."""
     from fla_cula.kernels import kda_prefill

@@ -1,0 +1,114 @@
+"""KDA prefill forms side by side (H200): FLA's chunk_kda, the fused kernel and the two-kernel form (its split).
+
+    python -m benchmarks.kda_variants                      # the default rows, random gates
+    python -m benchmarks.kda_variants --rows '[[1, 8192, 8]]' --regime slow
+    python -m benchmarks.kda_variants --variants '{"fused": {}, "P4": {"two_kernel": true, "segments": 4}}'
+
+Each row: one shape (K = V = 128, bf16, FLA's layer flags: l2norm, the bounded gate with A_log / dt_bias, beta
+sigmoid, h0 and the final state, the peers benchmark's inputs). FLA and every variant of ``--variants`` (name ->
+``kda_prefill.set_tuning`` knobs) are captured in CUDA graphs once; ``--rounds`` rounds then time each replay in turn
+(triton do_bench, median over the rounds in ms, the speedup over FLA, the spread when above 3%, ``!`` when o or the
+final state differs from FLA's by more than rel-RMS 0.01). Below each row, for every two-kernel variant, the time of
+each of its passes replayed alone (prep, maps, combine, pass 2) next to the cost model's prediction
+(kda_prefill.two_kernel_plan), so the model's constants can be fitted. A measuring tool for docs/kda_sm90.md, not
+part of the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+
+import torch
+
+ROWS = ((1, 8192, 8), (1, 2048, 16), (1, 32768, 16), (1, 8192, 64), (2, 8192, 64), (8, 4096, 64))
+DEFAULT_VARIANTS = ('{"fused": {"two_kernel": false}, "two": {"two_kernel": true}, '
+                    '"two_P1": {"two_kernel": true, "segments": 1}}')
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kda_variants", description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default=DEFAULT_VARIANTS, help="JSON: name -> kda_prefill.set_tuning knobs")
+    p.add_argument("--rows", default=None, help="JSON list of [B, T, H] (default: six rows, small grids first)")
+    p.add_argument("--regime", choices=("random", "slow"), default="random")
+    p.add_argument("--rounds", type=int, default=3, help="timing rounds over all builds (median reported)")
+    args = p.parse_args(argv)
+    variants = json.loads(args.variants)
+    rows = [tuple(r) for r in json.loads(args.rows)] if args.rows else ROWS
+
+    import triton
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    from benchmarks.harness import capture_graph, variant_row
+    from benchmarks.peers import make_inputs
+    from benchmarks.registry import Shape
+    from fla_cula.kernels import kda_prefill as kp
+    from fla_cula.ops.chunk_autograd import KDAChunkConfig
+    from fla_cula.reference.compare import rel_rms
+
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    cfg = KDAChunkConfig(scale=128 ** -0.5, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False,
+                         safe_gate=True, lower_bound=-5.0, state_v_first=True, chunk_size=64,
+                         disable_recompute=False, return_intermediate_states=False, cp=False, use_graph=False)
+    print(f"{'B':>3} {'T':>6} {'H':>3} {'FLA':>14} " + " ".join(f"{name:>20}" for name in variants), flush=True)
+    for B, T, H in rows:
+        x = make_inputs(Shape(B, T, H, H), args.regime, dev)
+        kargs = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["initial_state"],
+                 x["cu_seqlens"], x["cu_seqlens_cpu"], cfg)
+
+        fla = functools.partial(fla_chunk_kda, x["q"], x["k"], x["v"], x["g"], x["beta"], scale=cfg.scale,
+                                initial_state=x["initial_state"], output_final_state=True,
+                                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=x["A_log"],
+                                dt_bias=x["dt_bias"], safe_gate=True, lower_bound=-5.0, state_v_first=True)
+
+        with torch.inference_mode():
+            o_fla, ht_fla = fla()
+            graphs, ok, passes = {None: capture_graph(fla)}, {}, {}
+            for name, knobs in variants.items():
+                kp.set_tuning(**knobs)
+                try:
+                    o, ht = kp.run(*kargs)
+                    ok[name] = rel_rms(o_fla.float(), o.float()) < 0.01 and rel_rms(ht_fla, ht) < 0.01
+                    graphs[name] = capture_graph(functools.partial(kp.run, *kargs))
+                    if knobs.get("two_kernel"):
+                        passes[name] = _pass_graphs(kp, kargs, B, T, H, sms, knobs, capture_graph)
+                finally:
+                    kp.set_tuning()
+            row = variant_row(graphs, args.rounds, ok)
+        print(f"{B:>3} {T:>6} {H:>3} {row}", flush=True)
+        for name, (plan, pgraphs) in passes.items():
+            parts = ", ".join(f"{pn} {triton.testing.do_bench(g.replay, warmup=25, rep=100):.3f}"
+                              for pn, g in pgraphs)
+            print(f"      {name}: P={plan.segments} seg {plan.seg_chunks} block_v {plan.block_v}: {parts} ms "
+                  f"(model {plan.us / 1e3:.3f} ms in all)", flush=True)
+    return 0
+
+
+def _pass_graphs(kp, kargs, B, T, H, sms, knobs, capture_graph):
+    """The two-kernel form's passes of this call, each captured alone on buffers a full run has filled."""
+    q = kargs[0]
+    lens = [T] * B
+    plan = kp.two_kernel_plan(lens, H, sms, knobs.get("segments"), knobs.get("block_v"))
+    calls = []
+    launch = kp.launcher(*kargs)
+
+    def recording(**kw):
+        calls.append(kw)
+        launch(**kw)
+
+    o = torch.empty(B, T, H, 128, dtype=q.dtype, device=q.device)
+    ht = torch.empty(B, H, 128, 128, dtype=torch.float32, device=q.device)
+    kp.run_two_kernel(recording, B, H, kp.record_slots(B, T, B), q.device, plan, o, ht, None, None)
+    names = ["prep"] + (["maps"] if plan.segments > 1 else []) + ["pass 2"]
+    out = [(n, capture_graph(lambda kw=kw: launch(**kw))) for n, kw in zip(names, calls, strict=True)]
+    if plan.segments > 1:
+        seg_H, seg_M = calls[1]["seg_H"].clone(), calls[1]["seg_M"]
+        out.insert(2, ("combine", capture_graph(lambda: kp.combine_segments(seg_H, seg_M))))
+    return plan, out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
