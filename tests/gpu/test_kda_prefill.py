@@ -531,6 +531,39 @@ def test_two_kernel_graph_replay(strict_mode):
     assert torch.equal(o1, o2) and torch.equal(ht1, ht2)
 
 
+def test_two_kernel_abi_errors():
+    """The two-kernel keywords of _C.kda_fwd: a bad pass, record buffer, segment buffer or block_v is a ValueError
+    naming expected and actual, raised before any launch."""
+    from fla_cula import _ext
+    from fla_cula.kernels import kda_prefill as kp
+    C = _ext.require()
+    B, T, H = 1, 200, 2
+    bf = dict(dtype=torch.bfloat16, device=DEV)
+    q, v = torch.zeros(B, T, H, 128, **bf), torch.zeros(B, T, H, 128, **bf)
+    base = (q, q, v, v, torch.zeros(B, T, H, device=DEV), None, None, None, None)
+    tail = (0.1, -1.0, True, True, 1.0, False)
+    rec = torch.empty(H, kp.record_slots(B, T, B), kp.REC_BYTES, dtype=torch.uint8, device=DEV)
+    o = torch.empty(B, T, H, 128, **bf)
+    seg = torch.empty(2, B, H, 128, 128, device=DEV)
+
+    def err(match, outs, **kw):
+        with pytest.raises(ValueError, match=match):
+            C.kda_fwd(*base, *outs, *tail, wgmma=True, **kw)
+    err(r"pass: expected 0 \(fused\), 1 \(prep\) or 2 \(state\), got 3", (o, None, None, None), pass_kind=3, rec=rec)
+    err(r"o: expected None with pass 1", (o, None, None, None), pass_kind=1, rec=rec)
+    err(r"rec: expected shape \(HV, >= B \* T / 64 \+ N, 66048\) = \(2, >= 4, 66048\), got \(2, 3, 66048\)",
+        (None, None, None, None), pass_kind=1, rec=rec[:, :3])
+    err(r"rec, maps, seg_H, seg_M: expected none", (o, None, None, None), pass_kind=0, rec=rec)
+    err(r"seg_H: expected a tensor of 2 segments", (o, None, None, None), pass_kind=2, rec=rec, units=3,
+        chunks_per_cta=1)
+    err(r"block_v: expected 128 with maps", (None, None, None, None), pass_kind=2, rec=rec, units=3, maps=True,
+        chunks_per_cta=1, seg_H=seg, seg_M=seg[:1], block_v=64)
+    err(r"chunks_per_cta: expected > 0, or 0 \(whole sequences\) with units = 1", (o, None, None, None),
+        pass_kind=2, rec=rec, units=3, seg_H=seg)
+    err(r"units: expected 2 P - 3 \(odd\) with maps, got 2", (None, None, None, None), pass_kind=2, rec=rec,
+        units=2, maps=True, chunks_per_cta=1, block_v=128)
+
+
 def test_two_kernel_plan():
     """The cost model's split choice: small grids split, big ones do not; forced segments are honoured."""
     from fla_cula.kernels import kda_prefill as kp
