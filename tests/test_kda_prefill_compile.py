@@ -45,7 +45,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def kda_chunk_model(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, initial_state=None,
                     use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False,
-                    cu_seqlens=None, state_v_first=False, bounds=None, chunk=C):
+                    cu_seqlens=None, state_v_first=False, bounds=None, chunk=C, chunk_states=None):
     """The kernel's algorithm in fp32 torch with its bf16 rounding points.
 
     Inputs as chunk_kda (q, k [B,T,H,128] bf16; v [B,T,HV,128]; g raw gate [B,T,HV,128]; beta raw
@@ -53,7 +53,8 @@ def kda_chunk_model(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, ini
     ht [N,HV,K,V] fp32 in the caller's layout, Aqk [B,T,HV,chunk], Akk [B,T,HV,chunk] (bf16 values)).
     `chunk` 64 is the kernel's; 32 is the chunk-32 design of docs/kda_sm90.md (two 16-token blocks).
     `bounds` (a dict) collects the largest exponent of each factor kind (all must be <= 0) and the
-    largest block scalar exponent A_r - B_s.
+    largest block scalar exponent A_r - B_s. `chunk_states` (a list) collects bf16(S) [HV, K, V] at every chunk
+    start, sequence by sequence (FLA's h, return_intermediate_states).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -94,6 +95,8 @@ def kda_chunk_model(q, k, v, g, beta, *, A_log, dt_bias, lower_bound, scale, ini
     for n, (b, bos, eos) in enumerate(seqs):
         S = S0[n].clone()                                     # [HV, K, V] fp32
         for c0 in range(bos, eos, C):
+            if chunk_states is not None:
+                chunk_states.append(_bf(S))
             Lr = min(C, eos - c0)
             sl = slice(c0, c0 + Lr)
 
@@ -357,10 +360,10 @@ def _plan():
     (dict(use_gate_in_kernel=False), "v1: bounded \\(lower_bound\\) in-kernel gate only"),
     (dict(lower_bound=None), "v1: bounded \\(lower_bound\\) in-kernel gate only"),
     (dict(lower_bound=-6.0, safe_gate=False), "lower_bound"),
-    (dict(return_intermediate_states=True), "return_intermediate_states"),
+    (dict(return_intermediate_states=True, chunk_size=32), "return_intermediate_states with chunk_size=32"),
     (dict(cp=True), "cp_context"),
     (dict(use_graph=True), "use_graph"),
-], ids=["precomputed-g", "softplus", "lb-out-of-range", "intermediate", "cp", "graph"])
+], ids=["precomputed-g", "softplus", "lb-out-of-range", "intermediate-chunk32", "cp", "graph"])
 def test_plan_reasons(cfg, match):
     import re
 
@@ -607,7 +610,7 @@ extern "C" void emu_run(void const* q, void const* k, void const* v, void const*
                         void* Aqk, void* Akk, int B, int T, int N, int H, int HV, float scale, float lb, int l2,
                         int bsig, float bscale, void const* cu, int cu64, long long* prof, int block_v, int wgmma,
                         int pass, void* rec, long long rec_slots, int cpc, int units, int maps, float* seg_H,
-                        float* seg_M) {
+                        float* seg_M, void* h_inter, void const* chunk_offsets, int NT) {
   KdaFwdParams p{};
   p.q = q; p.k = k; p.qk_tok_stride = int64_t(H) * 128; p.qk_head_stride = 128;
   p.v = v; p.v_tok_stride = int64_t(HV) * 128; p.v_head_stride = 128;
@@ -622,6 +625,7 @@ extern "C" void emu_run(void const* q, void const* k, void const* v, void const*
   p.cu_seqlens = cu; p.cu_seqlens_int64 = cu64; p.phase_cycles = prof; p.block_v = block_v;
   p.pass = pass; p.rec = rec; p.rec_slots = rec_slots; p.chunks_per_cta = cpc; p.units = units; p.maps = maps;
   p.seg_H = seg_H; p.seg_M = seg_M;
+  p.h_inter = h_inter; p.chunk_offsets = chunk_offsets; p.chunk_offsets_int64 = true; p.NT = NT;
   int ctas = pass == kKdaPrep ? N * HV * units : N * HV * (128 / block_v) * (pass == kKdaState ? units : 1);
   std::barrier<> bar(256);
   g_bar = &bar;
@@ -680,7 +684,8 @@ def _ptr(x):
 
 
 def _emu_call(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, o, ht, Aqk, Akk, prof, *, scale, lb, l2, bsig, neg, svf,
-              block_v, wgmma, pass_=0, rec=None, cpc=0, units=1, maps=False, seg_H=None, seg_M=None):
+              block_v, wgmma, pass_=0, rec=None, cpc=0, units=1, maps=False, seg_H=None, seg_M=None, h_inter=None,
+              chunk_offsets=None):
     import ctypes
     ptr = _ptr
     B, T, H, _ = q.shape
@@ -691,7 +696,7 @@ def _emu_call(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, o, ht, Aqk, Akk, pr
                 ctypes.c_float(scale), ctypes.c_float(lb), int(l2), int(bsig), ctypes.c_float(2.0 if neg else 1.0),
                 ptr(cu), int(cu is not None and cu.dtype == torch.int64), ptr(prof), block_v, int(wgmma), pass_,
                 ptr(rec), ctypes.c_longlong(0 if rec is None else rec.shape[1]), cpc, units, int(maps), ptr(seg_H),
-                ptr(seg_M))
+                ptr(seg_M), ptr(h_inter), ptr(chunk_offsets), 0 if h_inter is None else h_inter.shape[1])
 
 
 def _emulate(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bsig, neg, svf, block_v, wgmma=False):
@@ -805,8 +810,18 @@ def test_kernel_source_emulated_on_cpu_matches_model(emulator, case, block_v):
     assert (torch.triu(Akk[0, : min(64, Akk.shape[1]), 0].float()[:, : min(64, Akk.shape[1])], 1) == 0).all()
 
 
+def _h_buffers(q, cu, HV):
+    """NaN-poisoned h_inter [B, NT, HV, 128, 128] bf16 and, for varlen, the chunk offsets (FLA's layout)."""
+    B, T = q.shape[:2]
+    if cu is None:
+        return torch.full((B, -(-T // 64), HV, 128, 128), float("nan"), dtype=torch.bfloat16), None
+    chunks = [-(-int(L) // 64) for L in (cu[1:] - cu[:-1]).tolist()]
+    off = torch.tensor([0] + chunks, dtype=torch.int64).cumsum(0)
+    return torch.full((1, int(off[-1]), HV, 128, 128), float("nan"), dtype=torch.bfloat16), off
+
+
 def _emulate_two_kernel(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bsig, neg, svf, block_v,
-                        segments, seg_chunks=None):
+                        segments, seg_chunks=None, out_kw=None):
     """fla_cula's two-kernel orchestration (kda_prefill.run_two_kernel: prep, maps, combine, pass 2) with every
     pass emulated; records poisoned (0xff) and segment states NaN before the pass that writes them."""
     import dataclasses
@@ -824,7 +839,7 @@ def _emulate_two_kernel(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale,
     Aqk = torch.full((B, T, HV, 64), float("nan"), dtype=torch.bfloat16)
     Akk = torch.full((B, T, HV, 64), float("nan"), dtype=torch.bfloat16)
 
-    def launch(*, pass_kind, rec, chunks_per_cta, units, maps, seg_H, seg_M, block_v, o, ht, Aqk, Akk):
+    def launch(*, pass_kind, rec, chunks_per_cta, units, maps, seg_H, seg_M, block_v, o, ht, Aqk, Akk, **kw):
         if pass_kind == 1:
             rec.fill_(0xff)
         if maps:
@@ -832,9 +847,9 @@ def _emulate_two_kernel(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale,
             seg_M.fill_(float("nan"))
         _emu_call(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, o, ht, Aqk, Akk, None, scale=scale, lb=lb, l2=l2,
                   bsig=bsig, neg=neg, svf=svf, block_v=block_v, wgmma=True, pass_=pass_kind, rec=rec,
-                  cpc=chunks_per_cta, units=units, maps=maps, seg_H=seg_H, seg_M=seg_M)
+                  cpc=chunks_per_cta, units=units, maps=maps, seg_H=seg_H, seg_M=seg_M, **kw)
 
-    kp.run_two_kernel(launch, N, HV, kp.record_slots(B, T, N), "cpu", plan, o, ht, Aqk, Akk)
+    kp.run_two_kernel(launch, N, HV, kp.record_slots(B, T, N), "cpu", plan, o, ht, Aqk, Akk, out_kw)
     return o, ht, Aqk, Akk
 
 
@@ -892,3 +907,50 @@ def test_split_emulated_matches_fused_and_fp64(emulator, case, segments, seg_chu
           f"split vs fused o {d[0]:.2e} ht {d[1]:.2e}")
     assert max(es) < 0.005, es
     assert es[0] <= 1.1 * ef[0] and es[1] <= 1.1 * ef[1], (ef, es)
+
+
+@pytest.mark.parametrize("case", ["fixed-tail-svf", "varlen-gva-empty", "varlen-slow"])
+def test_intermediate_states_emulated(emulator, case):
+    """return_intermediate_states: h_inter holds bf16(S) at every chunk start in FLA's layout ([B, NT, HV, K, V],
+    V-first with state_v_first; varlen chunks at FLA's chunk offsets). The fused kernel's h against the model's
+    chunk-start states (and h0 exactly at each sequence's chunk 0); the two-kernel form's, unsplit, bit-identical to
+    the fused kernel's; split (P = 3), close to it. Every entry is written (NaN-poisoned)."""
+    _ext_or_skip()
+    if case == "varlen-slow":
+        (q, k, v, g, beta, A_log, dt_bias, h0, cu), kw = _split_case(case)
+    else:
+        (q, k, v, g, beta, A_log, dt_bias, h0, cu), kw = _emulator_case(case)
+    args = (q, k, v, g, beta, A_log, dt_bias, h0, cu)
+    B, T, _, _ = q.shape
+    HV, N = v.shape[2], (B if cu is None else cu.shape[0] - 1)
+    h_f, off = _h_buffers(q, cu, HV)
+    o = torch.empty(B, T, HV, 128, dtype=torch.bfloat16)
+    _emu_call(emulator, *args, o, torch.empty(N, HV, 128, 128), None, None, None, block_v=128, wgmma=True,
+              h_inter=h_f, chunk_offsets=off, **kw)
+    assert not h_f.isnan().any()
+    states = []
+    kda_chunk_model(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=kw["lb"], scale=kw["scale"],
+                    initial_state=h0, use_qk_l2norm_in_kernel=kw["l2"], use_beta_sigmoid_in_kernel=kw["bsig"],
+                    allow_neg_eigval=kw["neg"], cu_seqlens=cu, state_v_first=kw["svf"], chunk_states=states)
+    model = torch.stack(states)                                        # [chunks, HV, K, V], sequence by sequence
+    got = h_f.reshape(-1, HV, 128, 128).float()
+    if kw["svf"]:
+        got = got.transpose(-1, -2)
+    h0k = h0.transpose(-1, -2) if kw["svf"] else h0
+    seqs = [0] if cu is None else [n for n in range(N) if off[n] < off[n + 1]]   # sequences with chunks
+    for n in seqs:
+        f = 0 if cu is None else int(off[n])
+        assert torch.equal(got[f], h0k[n].to(torch.bfloat16).float()), n   # chunk 0 starts from h0
+    e = rel_rms(model, got)
+    print(f"\n{case}: h vs model {e:.1e}")
+    assert e < 1e-3, e
+    for segments, exact in ((1, True), (3, False)):
+        h_t, _ = _h_buffers(q, cu, HV)
+        _emulate_two_kernel(emulator, *args, block_v=64, segments=segments, seg_chunks=None if exact else 1,
+                            out_kw=dict(h_inter=h_t, chunk_offsets=off), **kw)
+        assert not h_t.isnan().any()
+        if exact:
+            assert torch.equal(h_t, h_f)
+        else:
+            assert rel_rms(h_f.float(), h_t.float()) < 2e-3
+

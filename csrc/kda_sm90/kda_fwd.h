@@ -42,6 +42,12 @@ struct KdaFwdParams {
   void* Aqk;            // bf16 [B,T,HV,64] or null (grad extras; written by the V block 0 CTAs)
   void* Akk;            // bf16 [B,T,HV,64] or null
   int64_t extras_tok_stride;  // HV * 64
+  void* h_inter;        // bf16 [B, NT, HV, 128, 128] in the h0 layout, or null: bf16(S) at every chunk start
+                        // (return_intermediate_states); chunk c of sequence n is NT index n * NT + c (fixed length)
+                        // or chunk_offsets[n] + c (varlen, B = 1)
+  void const* chunk_offsets;  // [N+1] int32 / int64 (FLA's prepare_chunk_offsets), varlen with h_inter only
+  bool chunk_offsets_int64;
+  int NT;                 // h_inter's chunk dimension
   long long* phase_cycles;    // [N*HV*128/block_v, kKdaFwdPhases] int64 or null: per CTA, clock64 cycles of a phase
                               // summed over its chunks (thread 0's view, between CTA barriers)
   // problem

@@ -61,7 +61,8 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
                  py::handle ht_obj, py::handle Aqk_obj, py::handle Akk_obj, double scale, double lower_bound,
                  bool use_qk_l2norm, bool use_beta_sigmoid, double beta_scale, bool state_v_first,
                  int block_v, py::handle phase_cycles_obj, bool wgmma, int pass, py::handle rec_obj,
-                 int chunks_per_cta, int units, bool maps, py::handle seg_H_obj, py::handle seg_M_obj) {
+                 int chunks_per_cta, int units, bool maps, py::handle seg_H_obj, py::handle seg_M_obj,
+                 py::handle h_inter_obj, py::handle chunk_offsets_obj) {
   TensorArg q = tensor_arg(q_obj, "q");
   expect_dtype(q, {dtype::kBFloat16});
   expect_ndim(q, 4);
@@ -160,8 +161,12 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
   p.block_v = block_v;
   p.wgmma = wgmma;
   if (two_kernel) {
-    if (!wgmma) throw py::value_error("wgmma: expected True with pass " + std::to_string(pass) + " (wgmma tile records)");
-    if (!phase_cycles_obj.is_none()) throw py::value_error("phase_cycles: expected None with pass " + std::to_string(pass));
+    if (!wgmma) {
+      throw py::value_error("wgmma: expected True with pass " + std::to_string(pass) + " (wgmma tile records)");
+    }
+    if (!phase_cycles_obj.is_none()) {
+      throw py::value_error("phase_cycles: expected None with pass " + std::to_string(pass));
+    }
     if (units < 1) throw py::value_error("units: expected >= 1, got " + std::to_string(units));
     if (chunks_per_cta < 0 || (chunks_per_cta == 0 && units != 1)) {
       throw py::value_error("chunks_per_cta: expected > 0, or 0 (whole sequences) with units = 1, got " +
@@ -184,7 +189,9 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
     // reads seg_H [P-1]
     int64_t P = 1;
     if (pass == kKdaState && maps) {
-      if (units % 2 == 0) throw py::value_error("units: expected 2 P - 3 (odd) with maps, got " + std::to_string(units));
+      if (units % 2 == 0) {
+        throw py::value_error("units: expected 2 P - 3 (odd) with maps, got " + std::to_string(units));
+      }
       P = (units + 3) / 2;
     } else if (pass == kKdaState) {
       P = units;
@@ -215,6 +222,35 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
     if (maps && block_v != 128) {
       throw py::value_error("block_v: expected 128 with maps (a map is 128 x 128), got " + std::to_string(block_v));
     }
+  }
+  // return_intermediate_states: the chunk-start states, written by the passes that write o
+  if (!h_inter_obj.is_none()) {
+    if (!needs_o) {
+      throw py::value_error("h_inter: expected None with pass " + std::to_string(pass) + (maps ? " and maps" : ""));
+    }
+    TensorArg hi = tensor_arg(h_inter_obj, "h_inter");
+    expect_dtype(hi, {dtype::kBFloat16});
+    expect_ndim(hi, 5);
+    int64_t const NT = hi.size(1);
+    if (!varlen && NT != (T + kChunk - 1) / kChunk) {
+      throw py::value_error("h_inter: expected NT = ceil(T / 64) = " + std::to_string((T + kChunk - 1) / kChunk) +
+                            " chunks, got shape " + hi.shape_str());
+    }
+    std::string const what = std::string("(B, NT, HV, 128, 128)") + (state_v_first ? " V-first" : "");
+    expect_tensor(hi, {dtype::kBFloat16}, {B, NT, HV, kHeadDim, kHeadDim}, what.c_str(), &q);
+    if (NT > INT32_MAX) throw py::value_error("h_inter: too many chunks, got shape " + hi.shape_str());
+    p.h_inter = hi.data;
+    p.NT = static_cast<int>(NT);
+    if (varlen) {
+      if (chunk_offsets_obj.is_none()) throw py::value_error("chunk_offsets: expected a tensor with varlen h_inter");
+      TensorArg co = tensor_arg(chunk_offsets_obj, "chunk_offsets");
+      expect_tensor(co, {dtype::kInt32, dtype::kInt64}, {N + 1}, "(N + 1,)", &q);
+      p.chunk_offsets = co.data;
+      p.chunk_offsets_int64 = co.dtype == dtype::kInt64;
+    }
+  }
+  if (!chunk_offsets_obj.is_none() && p.chunk_offsets == nullptr) {
+    throw py::value_error("chunk_offsets: expected None without varlen h_inter");
   }
   p.pass = pass;
   p.chunks_per_cta = chunks_per_cta;
@@ -281,6 +317,7 @@ void register_kda_fwd(py::module_& m) {
         py::arg("block_v") = 64, py::arg("phase_cycles") = py::none(), py::arg("wgmma") = false,
         py::arg("pass_kind") = 0, py::arg("rec") = py::none(), py::arg("chunks_per_cta") = 0, py::arg("units") = 1,
         py::arg("maps") = false, py::arg("seg_H") = py::none(), py::arg("seg_M") = py::none(),
+        py::arg("h_inter") = py::none(), py::arg("chunk_offsets") = py::none(),
         "Enqueue the fused KDA prefill forward v1 (csrc/kda_sm90/kda_fwd.h) on the current stream of q's device:\n"
         "bf16 q, k [B,T,H,128], v, raw gate g [B,T,HV,128], raw beta [B,T,HV] (bf16/fp32); gate\n"
         "a = lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) (A_log [HV], dt_bias [HV*128] or None);\n"
@@ -294,9 +331,13 @@ void register_kda_fwd(py::module_& m) {
         "summed over its chunks (KDA_FWD_PHASE_NAMES).\n"
         "pass_kind 1 / 2: the two-kernel form (wgmma only). 1 (prep): chunks_per_cta chunks per CTA, units CTAs per\n"
         "(sequence, value head), writes rec (uint8 [HV, >= B*T/64 + N, KDA_REC_BYTES]) and Aqk/Akk when given; o and\n"
-        "final_state None. 2 (state): reads rec; units = P segments of chunks_per_cta chunks (P = 1, chunks_per_cta 0:\n"
-        "whole sequences), segment s > 0 starting from seg_H[s - 1]; maps=True: pass 1 of the split (units = 2 P - 3,\n"
-        "block_v 128, o None), writing seg_H [P-1, N, HV, 128, 128] and seg_M [P-2, ...] (K-major, fp32).\n"
+        "final_state None. 2 (state): reads rec; units = P segments of chunks_per_cta chunks (P = 1,\n"
+        "chunks_per_cta 0: whole sequences), segment s > 0 starting from seg_H[s - 1]; maps=True: pass 1 of the\n"
+        "split (units = 2 P - 3, block_v 128, o None), writing seg_H [P-1, N, HV, 128, 128] and seg_M [P-2, ...]\n"
+        "(K-major, fp32).\n"
+        "h_inter (bf16 [B, NT, HV, 128, 128] in the state layout) or None: bf16 of the state at every chunk start\n"
+        "(return_intermediate_states), written by the passes that write o; varlen needs chunk_offsets ([N+1]\n"
+        "int32/int64, FLA's prepare_chunk_offsets) and NT = its last entry.\n"
         "TypeError / ValueError for bad arguments (before any CUDA call), RuntimeError for CUDA errors.\n"
         "Does not synchronize.");
   m.attr("KDA_FWD_PHASES") = kKdaFwdPhases;

@@ -534,6 +534,31 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   auto seg_index = [&](int s, int d, int c) -> int64_t {
     return ((int64_t(s) * p.N + n) * p.HV + hv) * kK * 128 + int64_t(d) * 128 + col0 + c;
   };
+  // return_intermediate_states: bf16(S) of chunk c's start to h_inter (the h0 layout; bf16 pairs along V are
+  // adjacent K-major, 2-byte stores V-first)
+  auto store_h = [&](int c) {
+    int64_t t = int64_t(n) * p.NT + c;
+    if (p.cu_seqlens != nullptr) {
+      t = c + (p.chunk_offsets_int64 ? static_cast<int64_t const*>(p.chunk_offsets)[n]
+                                     : static_cast<int32_t const*>(p.chunk_offsets)[n]);
+    }
+    bf16* const hb = static_cast<bf16*>(p.h_inter) + (t * p.HV + hv) * kK * 128;
+    int const d0 = warp * 16 + g8;
+#pragma unroll
+    for (int nt = 0; nt < kNS; ++nt) {
+      int const c0 = col0 + nt * 8 + 2 * t4;
+#pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        int const d = d0 + (e >> 1) * 8;
+        if (p.state_v_first) {
+          hb[int64_t(c0) * kK + d] = __float2bfloat16_rn(S[nt][e]);
+          hb[int64_t(c0 + 1) * kK + d] = __float2bfloat16_rn(S[nt][e + 1]);
+        } else {
+          *reinterpret_cast<uint32_t*>(hb + int64_t(d) * 128 + c0) = pack_bf16(S[nt][e], S[nt][e + 1]);
+        }
+      }
+    }
+  };
   if constexpr (kPass != kKdaPrep) {
     int const d0 = warp * 16 + g8;
 #pragma unroll
@@ -786,6 +811,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       int64_t const tok0 = bos + int64_t(chunk) * kC;
       int const rows = chunk_rows(chunk);
       bool const prefetch = chunk + 1 < c_hi;
+      if (with_o && p.h_inter != nullptr) store_h(chunk);
       cp_async_wait_group<1>();  // group A of this chunk (its group B may still be in flight)
       // the copied tiles and (from the previous chunk / the prologue) sT, vT become visible to wgmma
       fence_async_shared();
@@ -809,6 +835,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       int64_t const tok0 = bos + int64_t(chunk) * kC;
       int const rows = chunk_rows(chunk);
       bool const prefetch = chunk + 1 < c_hi;
+      if (kPass == kKdaFused && p.h_inter != nullptr) store_h(chunk);  // (kPrep has no state)
 
       // ---- 2: gate a = lb sigmoid(exp(A_log) (g + dt_bias)) in log2 units and its chunk cumsum G. Thread =
       //      (channel pair d, d + 1; row block r = tid / 64): its 16 x 2 gates in registers (independent: the

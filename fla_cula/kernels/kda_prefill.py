@@ -9,7 +9,8 @@ Scope of v1 (everything else returns a reason and runs FLA):
   - use_gate_in_kernel with lower_bound in [-5, 0): a = lb * sigmoid(exp(A_log) * (g + dt_bias))
     (A_log / dt_bias fp32 or bf16, or None); safe_gate either way;
   - use_qk_l2norm_in_kernel and use_beta_sigmoid_in_kernel (allow_neg_eigval) on or off;
-  - initial_state fp32 in either layout or None; output_final_state; fixed length and varlen;
+  - initial_state fp32 in either layout or None; output_final_state; return_intermediate_states (inference: the
+    chunk-start states h, bf16); fixed length and varlen;
   - inference and grad. Under grad FLA's backward (fla_cula.ops.chunk_autograd) reads q^, k^, rstd and
     the sigmoid beta, made here with FLA's own l2norm_fwd / fused_beta_sigmoid_fwd (the kernel then
     runs on q^, k^ and that beta, so its Aqk/Akk see FLA's rounding of q^, k^), and Aqk / Akk, which
@@ -28,7 +29,7 @@ import math
 import torch
 from fla.modules.norm.l2norm import l2norm_fwd
 from fla.ops.common.gate import fused_beta_sigmoid_fwd
-from fla.ops.utils import prepare_chunk_indices
+from fla.ops.utils import prepare_chunk_indices, prepare_chunk_offsets
 
 from fla_cula import _ext, routing
 from fla_cula.ops.chunk_autograd import KDAChunkConfig, KDAForward, needs_grad
@@ -106,8 +107,9 @@ def plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens
         return GATE_REASON, None
     if not -5.0 <= cfg.lower_bound < 0.0:
         return f"lower_bound {cfg.lower_bound}: kernel needs -5 <= lower_bound < 0 (overflow-free gate anchors)", None
-    if cfg.return_intermediate_states:
-        return "v1: return_intermediate_states (chunk-start states are not written)", None
+    if cfg.return_intermediate_states and cfg.chunk_size != CHUNK:
+        return (f"return_intermediate_states with chunk_size={cfg.chunk_size}: the kernel's chunk starts are 64 "
+                "tokens apart"), None
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
         if x.dtype != _BF16:
             return f"{name} dtype {x.dtype}: kernel supports bfloat16 q/k/v/g", None
@@ -259,11 +261,13 @@ def combine_segments(seg_H: torch.Tensor, seg_M: torch.Tensor) -> None:
     seg_H[1:].copy_(Hd[1:])
 
 
-def run_two_kernel(launch, N: int, HV: int, slots: int, device, plan: TwoKernelPlan, o, ht, Aqk, Akk) -> None:
+def run_two_kernel(launch, N: int, HV: int, slots: int, device, plan: TwoKernelPlan, o, ht, Aqk, Akk,
+                   out_kw: dict | None = None) -> None:
     """The two-kernel form: `launch(**kw)` runs one pass of the kernel (the extension's kda_fwd with this call's
     inputs bound; the CPU emulator in tests) with the keywords pass_kind, rec, chunks_per_cta, units, maps, seg_H,
-    seg_M, block_v, o, ht, Aqk, Akk. Allocates the records (64.5 KB per chunk and value head) and the segment
-    states (64 KB per (sequence, value head) and segment, 2 P - 3 of them)."""
+    seg_M, block_v, o, ht, Aqk, Akk, and out_kw (h_inter, chunk_offsets) for the pass that writes o. Allocates the
+    records (64.5 KB per chunk and value head) and the segment states (64 KB per (sequence, value head) and
+    segment, 2 P - 3 of them)."""
     rec = torch.empty(HV, slots, REC_BYTES, dtype=torch.uint8, device=device)
     launch(pass_kind=1, rec=rec, chunks_per_cta=PREP_CHUNKS, units=plan.prep_units, maps=False, seg_H=None,
            seg_M=None, block_v=64, o=None, ht=None, Aqk=Aqk, Akk=Akk)
@@ -275,7 +279,7 @@ def run_two_kernel(launch, N: int, HV: int, slots: int, device, plan: TwoKernelP
                seg_M=seg_M, block_v=128, o=None, ht=None, Aqk=None, Akk=None)
         combine_segments(seg_H, seg_M)
     launch(pass_kind=2, rec=rec, chunks_per_cta=plan.seg_chunks, units=P, maps=False, seg_H=seg_H, seg_M=None,
-           block_v=plan.block_v, o=o, ht=ht, Aqk=None, Akk=None)
+           block_v=plan.block_v, o=o, ht=ht, Aqk=None, Akk=None, **(out_kw or {}))
 
 
 def _route_reason(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu,
@@ -388,16 +392,24 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seq
         Akk = torch.empty(B, T, HV, CHUNK, dtype=k.dtype, device=dev)
 
     launch = _launcher(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cfg, l2, bsig, beta_scale)
+    out_kw, h = {}, None
+    if cfg.return_intermediate_states:  # FLA's h: bf16 [B, NT, HV, K, V] (V, K state_v_first), k.dtype
+        if cu_seqlens is None:
+            NT = -(-T // CHUNK)
+        else:
+            NT = sum(-(-L // CHUNK) for L in _lens(q, cu_seqlens, cu_seqlens_cpu))
+            out_kw["chunk_offsets"] = prepare_chunk_offsets(cu_seqlens, CHUNK)
+        h = out_kw["h_inter"] = torch.empty(B, NT, HV, HEAD_DIM, HEAD_DIM, dtype=k.dtype, device=dev)
     two = None
     if _TUNING["two_kernel"] or (_TUNING["two_kernel"] is None and TWO_KERNEL_VERIFIED):
         two = two_kernel_choice(_lens(q, cu_seqlens, cu_seqlens_cpu), HV, _sm_count(dev))
     if two is not None:
         run_two_kernel(functools.partial(launch, wgmma=True), N, HV, record_slots(B, T, N), dev, two, o, ht, Aqk,
-                       Akk)
+                       Akk, out_kw)
     else:
-        launch(o=o, ht=ht, Aqk=Aqk, Akk=Akk, block_v=_block_v(N, HV, dev), wgmma=_TUNING["wgmma"])
+        launch(o=o, ht=ht, Aqk=Aqk, Akk=Akk, block_v=_block_v(N, HV, dev), wgmma=_TUNING["wgmma"], **out_kw)
     if not need_grad:
-        return KDAForward(o, ht)
+        return KDAForward(o, ht, h=h)
     chunk_indices = None
     if cu_seqlens is not None:
         chunk_indices = prepare_chunk_indices(cu_seqlens=cu_seqlens, chunk_size=CHUNK, cu_seqlens_cpu=cu_seqlens_cpu)
