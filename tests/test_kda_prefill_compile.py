@@ -419,6 +419,12 @@ def test_routing_policy_per_call(monkeypatch):
     cu = torch.zeros(33, dtype=torch.int32, device="meta")
     assert "cu_seqlens_cpu" in go.size_reason(*args[:8], cu, None, args[10])   # varlen: host lengths needed
     monkeypatch.setattr(kda_prefill, "ROUTE_GRAD", False)
+    monkeypatch.setattr(kda_prefill, "ROUTE_BY_COST", False)
+    inter = _plan_args(return_intermediate_states=True)
+    assert "return_intermediate_states -> FLA" in plan(*inter)[1].size_reason(*inter)   # until run on the H200
+    monkeypatch.setattr(kda_prefill, "ROUTE_INTERMEDIATE", True)
+    assert plan(*inter)[1].size_reason(*inter) is None
+    monkeypatch.setattr(kda_prefill, "ROUTE_BY_COST", True)
     monkeypatch.setenv("FLA_CULA_FORCE", "1")                                    # coverage runs: no speed gates
     assert go.size_reason(*args) is None and go.size_reason(x, *args[1:]) is None
 

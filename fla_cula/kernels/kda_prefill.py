@@ -146,8 +146,11 @@ def plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens
 # (graph replay, docs/kda_sm90.md "v2.1"): a CTA takes US_PER_CHUNK[block_v] per 64-token chunk
 # whatever the grid (1 CTA per SM, latency-bound phases), so the kernel's time is waves x chunks per CTA; FLA's
 # chunk-parallel kernels take ~FLA_NS_PER_TOKEN_HEAD per token and value head on large calls. The tests set
-# ROUTE_GRAD and turn the model off.
+# ROUTE_GRAD and turn the model off. ROUTE_INTERMEDIATE: return_intermediate_states calls stay on FLA until the h
+# the kernel writes has been compared with FLA's on the H200 (tests/gpu/test_kda_prefill.py
+# test_return_intermediate_states; emulated only so far).
 ROUTE_GRAD = False
+ROUTE_INTERMEDIATE = False
 ROUTE_BY_COST = True
 US_PER_CHUNK = {64: 14.0, 128: 15.4}   # B2 T8192 H64, 128 chunks per CTA: block_v 64 3.589 ms / 2 waves; 128: 1.970 ms
 FLA_NS_PER_TOKEN_HEAD = 3.21           # FLA 0.6.0, B2 T8192 H64: 3.367 ms / (2 * 8192 * 64)
@@ -290,6 +293,8 @@ def _route_reason(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, c
         return None
     if not ROUTE_GRAD and needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
         return "grad -> FLA (the forward under grad is not yet timed against FLA's)"
+    if not ROUTE_INTERMEDIATE and cfg.return_intermediate_states:
+        return "return_intermediate_states -> FLA (the kernel's h has not yet been checked against FLA's on the H200)"
     if not ROUTE_BY_COST:
         return None
     if cu_seqlens is None:

@@ -79,6 +79,7 @@ def _kda_prefill_routed(monkeypatch):
                       stacklevel=2)
         monkeypatch.setitem(registry.OPS, "chunk_kda", dataclasses.replace(spec, kernel="kda_prefill"))
     monkeypatch.setattr(mod, "ROUTE_GRAD", True)   # the op's routing policy off: every case runs the kernel
+    monkeypatch.setattr(mod, "ROUTE_INTERMEDIATE", True)
     monkeypatch.setattr(mod, "ROUTE_BY_COST", False)
     routing.clear_plans()       # memoized "no kernel for this op yet" decisions must not survive the switch
     fla_cula.reset_status()
