@@ -55,7 +55,7 @@ KdaFwdSpecialization const kKdaFwdSpecialization[kKdaFwdSpecializations] = {
     {"sigmoid_lb", true, kda_sm90::kThreads, 64, true, kKdaFused, kda_sm90::kSmemBytes<64, true>},
     {"sigmoid_lb", false, kda_sm90::kThreads, 128, true, kKdaFused, kda_sm90::kSmemBytes<128, true>},
     {"sigmoid_lb", true, kda_sm90::kThreads, 128, true, kKdaFused, kda_sm90::kSmemBytes<128, true>},
-    {"sigmoid_lb", false, kda_sm90::kThreads, 0, true, kKdaPrep, kda_sm90::kSmemBytes<64, true>},
+    {"sigmoid_lb", false, kda_sm90::kThreads, 0, true, kKdaPrep, kda_sm90::kPrepSmemBytes},
     {"none", false, kda_sm90::kThreads, 64, true, kKdaState, kda_sm90::kSmemBytes<64, true>},
     {"none", false, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kSmemBytes<128, true>},
 };
@@ -82,7 +82,7 @@ void run_kda_fwd(KdaFwdParams const& a) {
   require_compute_capability(a.device, 9, 0, "kda_fwd");
   constexpr auto kG = kda_sm90::GateForm::SigmoidLB;
   if (a.pass == kKdaPrep) {
-    launch<kda_sm90::kda_prep_kernel<kG>, kda_sm90::kSmemBytes<64, true>>(a, ctas, "kda_prep_kernel");
+    launch<kda_sm90::kda_prep_kernel<kG>, kda_sm90::kPrepSmemBytes>(a, ctas, "kda_prep_kernel");
     return;
   }
   if (a.pass == kKdaState) {

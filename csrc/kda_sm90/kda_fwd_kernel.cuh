@@ -21,7 +21,8 @@
 //   8 O += Aqk V' (stored, rows < L); S = diag(gamma) S + Kd^T V' (accumulators); bf16(S)^T for chunk+1
 //   9 v^T and beta of chunk + 1 from registers to smem; wait for its cp.async copies (q, k, g)
 // The two-kernel form runs the same body in two kernels (kPass): kda_prep_kernel does 1-6 chunk-parallel (CTA = (n,
-// hv, block of chunks); no state) and copies each chunk's phase-7/8 operand tiles to a record in global memory;
+// hv, block of chunks); no state; PrepStorage, two CTAs per SM: G stays in registers and phase 3 forms every factor)
+// and writes each chunk's phase-7/8 operand tiles to a record in global memory, most of them from registers;
 // kda_state_kernel loads them (cp.async, two commit groups a chunk ahead) and does 7-8 over a sequence or one segment
 // of it (the exact sequence split: Params::maps, seg_H, seg_M; docs/kda_sm90.md "Two kernels and the exact sequence
 // split").
@@ -32,6 +33,7 @@
 
 #include <cuda_bf16.h>
 #include <cstdint>
+#include <type_traits>
 
 #include "kda_sm90/kda_fwd.h"
 #ifndef FLA_CULA_KDA_HOST_EMULATION
@@ -110,8 +112,50 @@ struct SharedStorage {
   alignas(16) float pw[kPairs][kK];          // 2^(A_r - B_s) per channel for the pair (r, s <= r) of phase 4
 };
 
+// The prep kernel's layout (kda_prep_kernel; docs/kda_sm90.md "Lean prep"): no state tiles, no G tile (G stays in
+// the registers of the phase-2 thread, which forms every factor in phase 3), and Qg, Kd^T, Aqk, -W go to the record
+// straight from registers. Under 113 KB: two CTAs per SM. Tiles that die early share storage, as in SharedStorage.
+struct PrepStorage {
+  union alignas(1024) {
+    bf16 Ke[kC][kK];                         // (3-4), sw128k
+    bf16 KgT[kK][kC];                        // (5-6), sw128: the A operand of -W's wgmma
+  } t2;
+  alignas(1024) bf16 akkb[kC][kC];           // X diag(beta) (5b-6), sw128
+  union alignas(1024) {
+    bf16 graw[kC][kLdK];                     // raw gate rows (1-2)
+    bf16 t1[kC][kK];                         // Qe (3-4), sw128k
+    alignas(16) float X[kC][kLdF];           // (I + L)^-1 (5b): Qe dead after phase 4
+  } u3;
+  union alignas(1024) {
+    struct {
+      bf16 q[kC][kLdK];                      // raw q, k rows (1-3)
+      bf16 k[kC][kLdK];
+    } raw;
+    alignas(16) float L[kC][kLdF];           // (4-5b): every factor is formed in phase 3
+  } u1;
+  struct {
+    bf16 Kf[kC][kLdK];                       // (3-4)
+  } t3;
+  alignas(16) float tmp[3][kBC][kBC];
+  float beta[kC];
+  float rstd_q[kC];
+  float rstd_k[kC];
+  alignas(16) float gamma[kK];
+  float g63[kK];                             // G_63 per channel (phase 3's Kd)
+  long long prof[kKdaFwdPhases];
+  long long prof_mark;
+  float dtb[kK];
+  float expA;
+  int anc_a[4][kK];
+  int anc_b[4][kK];
+  alignas(16) float blk[4][kK];
+  alignas(16) float pw[kPairs][kK];
+};
+
 template <int kBV, bool kWgmma = false>
 constexpr int kSmemBytes = int(sizeof(SharedStorage<kBV, kWgmma>));
+constexpr int kPrepSmemBytes = int(sizeof(PrepStorage));
+static_assert(2 * (kPrepSmemBytes + 1024) <= 228 * 1024, "the prep must fit two CTAs per SM");
 static_assert(kSmemBytes<128> <= 227 * 1024, "shared memory over the SM90 opt-in maximum");
 static_assert(kSmemBytes<128, true> <= 227 * 1024, "shared memory over the SM90 opt-in maximum");
 
@@ -364,7 +408,8 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   constexpr int kNS = kBV / 8;   // n-tiles of 8 columns of the state rows a warp owns
   constexpr int kNO = kBV / 16;  // n-tiles of the V' / O tile a warp owns (half of the columns)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  SharedStorage<kBV, kWgmma>& sm = *reinterpret_cast<SharedStorage<kBV, kWgmma>*>(smem_raw);
+  using Smem = std::conditional_t<kPass == kKdaPrep, PrepStorage, SharedStorage<kBV, kWgmma>>;
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
 #ifndef FLA_CULA_KDA_HOST_EMULATION
   // the swizzle of the wgmma tiles is a function of the shared-memory address: a base off 1024 B would make every
   // product silently wrong, so stop instead (SM90 starts dynamic shared memory 1024-byte aligned)
@@ -372,15 +417,20 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
     if (cute::cast_smem_ptr_to_uint(smem_raw) & 1023u) __trap();
   }
 #endif
-  // the phase-8 operand tiles, element (row, token): padded rows, or (kWgmma) the wgmma layout
+  // the phase-8 operand tiles, element (row, token): padded rows, or (kWgmma) the wgmma layout. Tiles that
+  // PrepStorage lacks are reached only under `if constexpr (kFusedTiles)` (the prep never calls their accessors).
+  constexpr bool kFusedTiles = kPass != kKdaPrep;
   auto aqk_at = [&](int i, int j) -> bf16& {
-    if constexpr (kWgmma) return (&sm.aqk[0][0])[sw128(i, j)]; else return sm.aqk[i][j];
+    if constexpr (!kFusedTiles) __builtin_unreachable();
+    else if constexpr (kWgmma) return (&sm.aqk[0][0])[sw128(i, j)]; else return sm.aqk[i][j];
   };
   auto kdT_at = [&](int d, int i) -> bf16& {
-    if constexpr (kWgmma) return (&sm.t3.KdT[0][0])[sw128(d, i)]; else return sm.t3.KdT[d][i];
+    if constexpr (!kFusedTiles) __builtin_unreachable();
+    else if constexpr (kWgmma) return (&sm.t3.KdT[0][0])[sw128(d, i)]; else return sm.t3.KdT[d][i];
   };
   auto vpT_at = [&](int c, int i) -> bf16& {
-    if constexpr (kWgmma) return (&sm.u4.vpT[0][0])[sw128(c, i)]; else return sm.u4.vpT[c][i];
+    if constexpr (!kFusedTiles) __builtin_unreachable();
+    else if constexpr (kWgmma) return (&sm.u4.vpT[0][0])[sw128(c, i)]; else return sm.u4.vpT[c][i];
   };
   // and those of phases 6-7
   auto akkb_at = [&](int i, int j) -> bf16& {
@@ -396,10 +446,12 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
     if constexpr (kWgmma) return (&sm.u3.t1[0][0])[sw128k<kC>(i, d)]; else return sm.u3.t1[i][d];
   };
   auto wn_at = [&](int i, int d) -> bf16& {
-    if constexpr (kWgmma) return (&sm.u2.Wn[0][0])[sw128k<kC>(i, d)]; else return sm.u2.Wn[i][d];
+    if constexpr (!kFusedTiles) __builtin_unreachable();
+    else if constexpr (kWgmma) return (&sm.u2.Wn[0][0])[sw128k<kC>(i, d)]; else return sm.u2.Wn[i][d];
   };
   auto sT_at = [&](int c, int d) -> bf16& {
-    if constexpr (kWgmma) return (&sm.sT[0][0])[sw128k<kBV>(c, d)]; else return sm.sT[c][d];
+    if constexpr (!kFusedTiles) __builtin_unreachable();
+    else if constexpr (kWgmma) return (&sm.sT[0][0])[sw128k<kBV>(c, d)]; else return sm.sT[c][d];
   };
 
   int const tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -409,6 +461,13 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   // stmatrix.trans x4 per column pair (nt, nt + 1): tiles (nt, rows 0-7), (nt, rows 8-15), (nt + 1, ...); lane l
   // addresses column nt * 8 + l % 8 (+ 8 for tiles 2, 3) at channel 16 w (+ 8 for tiles 1, 3). 16-byte rows: the
   // channels of an 8-aligned group are contiguous in both sT layouts (padded rows; sw128k's 16-byte chunks).
+  // L and X of the inverse (PrepStorage keeps them where the raw rows and Qe were)
+  auto L_at = [&](int i, int j) -> float& {
+    if constexpr (kPass == kKdaPrep) return sm.u1.L[i][j]; else return sm.u4.L[i][j];
+  };
+  auto X_at = [&](int i, int j) -> float& {
+    if constexpr (kPass == kKdaPrep) return sm.u3.X[i][j]; else return sm.u1.X[i][j];
+  };
   auto store_sT = [&](float const (&s)[kBV / 8][4]) {
     int const m = lane >> 3, j = lane & 7;
 #pragma unroll
@@ -510,12 +569,14 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
     }
   };
   if (tid < kKdaFwdPhases) sm.prof[tid] = 0;
-  if constexpr (kPass != kKdaState) {
+  if constexpr (kPass == kKdaFused) {
     // aqk above the diagonal blocks (s > r) is zero in every chunk: written once (phase 4 skips those blocks)
     for (int e = tid; e < kC * kC; e += kThreads) {
       int const i = e >> 6, j = e & (kC - 1);
       if ((j >> 4) > (i >> 4)) aqk_at(i, j) = __float2bfloat16_rn(0.f);
     }
+  }
+  if constexpr (kPass != kKdaState) {
     // per-channel gate constants (read by phase 2a; first written here, before the first barrier)
     if (tid < kK) {
       sm.dtb[tid] = p.dt_bias != nullptr ? load_param(p.dt_bias, p.dt_bias_fp32, int64_t(hv) * kK + tid) : 0.f;
@@ -696,19 +757,29 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
 
   // ---- records (kPrep writes them, kState reads them): byte b of a record lives in the shared-memory tile at
   //      kRec* <= b (the wgmma images are dense at the start of their arrays); 16-byte pieces
-  auto rec_smem = [&](int b) -> unsigned char* {
+  auto rec_smem = [&](int b) -> unsigned char* {  // kState
     static_assert(kPass == kKdaFused || kWgmma, "records are the wgmma tile images");
-    if (b < kRecWn) return reinterpret_cast<unsigned char*>(&sm.akkb[0][0]) + b;
-    if (b < kRecQg) return reinterpret_cast<unsigned char*>(&sm.u2.Wn[0][0]) + (b - kRecWn);
-    if (b < kRecAqk) return reinterpret_cast<unsigned char*>(&sm.u3.t1[0][0]) + (b - kRecQg);
-    if (b < kRecKdT) return reinterpret_cast<unsigned char*>(&sm.aqk[0][0]) + (b - kRecAqk);
-    if (b < kRecGamma) return reinterpret_cast<unsigned char*>(&sm.t3.KdT[0][0]) + (b - kRecKdT);
-    return reinterpret_cast<unsigned char*>(&sm.gamma[0]) + (b - kRecGamma);
+    if constexpr (!kFusedTiles) {
+      __builtin_unreachable();
+    } else {
+      if (b < kRecWn) return reinterpret_cast<unsigned char*>(&sm.akkb[0][0]) + b;
+      if (b < kRecQg) return reinterpret_cast<unsigned char*>(&sm.u2.Wn[0][0]) + (b - kRecWn);
+      if (b < kRecAqk) return reinterpret_cast<unsigned char*>(&sm.u3.t1[0][0]) + (b - kRecQg);
+      if (b < kRecKdT) return reinterpret_cast<unsigned char*>(&sm.aqk[0][0]) + (b - kRecAqk);
+      if (b < kRecGamma) return reinterpret_cast<unsigned char*>(&sm.t3.KdT[0][0]) + (b - kRecKdT);
+      return reinterpret_cast<unsigned char*>(&sm.gamma[0]) + (b - kRecGamma);
+    }
   };
+  // kPrep: akkb and gamma from shared memory (the other tiles went to the record from registers)
   auto write_record = [&](int c) {
     unsigned char* const dst = record(c);
-    for (int b = 16 * tid; b < kKdaRecBytes; b += 16 * kThreads) {
-      *reinterpret_cast<uint4*>(dst + b) = *reinterpret_cast<uint4 const*>(rec_smem(b));
+    constexpr int kAkkbPieces = (kRecWn - kRecAkkb) / 16, kPieces = kAkkbPieces + (kKdaRecBytes - kRecGamma) / 16;
+    for (int j = tid; j < kPieces; j += kThreads) {
+      int const b = j < kAkkbPieces ? kRecAkkb + 16 * j : kRecGamma + 16 * (j - kAkkbPieces);
+      unsigned char const* const src = j < kAkkbPieces ? reinterpret_cast<unsigned char const*>(&sm.akkb[0][0]) + b
+                                                       : reinterpret_cast<unsigned char const*>(&sm.gamma[0]) +
+                                                             (b - kRecGamma);
+      *reinterpret_cast<uint4*>(dst + b) = *reinterpret_cast<uint4 const*>(src);
     }
   };
   // bytes [b0, b1) of chunk c's record by cp.async, one commit group. Group A (phase 7's operands): akkb, -W and,
@@ -741,31 +812,33 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   //      kState: no (X diag b) V for a map (v = 0), no O in the maps pass
   int const mt = kWgmma ? (warp & 3) : (warp >> 1), nb = (kWgmma ? (warp >> 2) : (warp & 1)) * (kBV / 2);
   auto phase7 = [&](float (&o_acc)[kNO][4]) {
-    {
-      float vp[kNO][4];
-      zero(vp);
-      if constexpr (kWgmma) {
-        if (with_v) wg_mma_tn<kBV / 2>(vp, &sm.akkb[0][0], &sm.vT[0][0] + nb * kC, lane, warp & 3);
-        wg_mma_tn<kBV / 2, kK, kBV>(vp, &sm.u2.Wn[0][0], &sm.sT[0][0] + nb * kC, lane, warp & 3);
-      } else {
-        warp_mma_tn<kNO, kC>(vp, &sm.akkb[16 * mt][0], kLdC, &sm.vT[nb][0], kLdC, lane);
-        warp_mma_tn<kNO, kK>(vp, &sm.u2.Wn[16 * mt][0], kLdK, &sm.sT[nb][0], kLdK, lane);
-      }
+    if constexpr (kFusedTiles) {
+      {
+        float vp[kNO][4];
+        zero(vp);
+        if constexpr (kWgmma) {
+          if (with_v) wg_mma_tn<kBV / 2>(vp, &sm.akkb[0][0], &sm.vT[0][0] + nb * kC, lane, warp & 3);
+          wg_mma_tn<kBV / 2, kK, kBV>(vp, &sm.u2.Wn[0][0], &sm.sT[0][0] + nb * kC, lane, warp & 3);
+        } else {
+          warp_mma_tn<kNO, kC>(vp, &sm.akkb[16 * mt][0], kLdC, &sm.vT[nb][0], kLdC, lane);
+          warp_mma_tn<kNO, kK>(vp, &sm.u2.Wn[16 * mt][0], kLdK, &sm.sT[nb][0], kLdK, lane);
+        }
 #pragma unroll
-      for (int nt = 0; nt < kNO; ++nt) {
+        for (int nt = 0; nt < kNO; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          int const i = 16 * mt + g8 + (e >> 1) * 8, c = nb + nt * 8 + 2 * t4 + (e & 1);
-          vpT_at(c, i) = __float2bfloat16_rn(vp[nt][e]);
+          for (int e = 0; e < 4; ++e) {
+            int const i = 16 * mt + g8 + (e >> 1) * 8, c = nb + nt * 8 + 2 * t4 + (e & 1);
+            vpT_at(c, i) = __float2bfloat16_rn(vp[nt][e]);
+          }
         }
       }
-    }
-    zero(o_acc);  // after V' is stored: its accumulators and O's are not live at once
-    if (with_o) {
-      if constexpr (kWgmma) {
-        wg_mma_tn<kBV / 2, kK, kBV>(o_acc, &sm.u3.t1[0][0], &sm.sT[0][0] + nb * kC, lane, warp & 3);
-      } else {
-        warp_mma_tn<kNO, kK>(o_acc, &sm.u3.t1[16 * mt][0], kLdK, &sm.sT[nb][0], kLdK, lane);
+      zero(o_acc);  // after V' is stored: its accumulators and O's are not live at once
+      if (with_o) {
+        if constexpr (kWgmma) {
+          wg_mma_tn<kBV / 2, kK, kBV>(o_acc, &sm.u3.t1[0][0], &sm.sT[0][0] + nb * kC, lane, warp & 3);
+        } else {
+          warp_mma_tn<kNO, kK>(o_acc, &sm.u3.t1[16 * mt][0], kLdK, &sm.sT[nb][0], kLdK, lane);
+        }
       }
     }
   };
@@ -773,34 +846,36 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   // ---- 8: O += Aqk V' (store rows < `rows`); S = diag(gamma) S + Kd^T V'; bf16(S)^T for the next chunk.
   //      kWgmma: each warpgroup multiplies its 64 x kBV/2 block of O and its 64 state rows on wgmma (as in 6-7)
   auto phase8 = [&](float (&o_acc)[kNO][4], int64_t tok0, int rows) {
-    if (with_o) {
+    if constexpr (kFusedTiles) {
+      if (with_o) {
+        if constexpr (kWgmma) {
+          wg_mma_tn<kBV / 2>(o_acc, &sm.aqk[0][0], &sm.u4.vpT[0][0] + nb * kC, lane, warp & 3);
+        } else {
+          warp_mma_tn<kNO, kC>(o_acc, &sm.aqk[16 * mt][0], kLdC, &sm.u4.vpT[nb][0], kLdC, lane);
+        }
+#pragma unroll
+        for (int nt = 0; nt < kNO; ++nt) {
+          int const i = 16 * mt + g8, c = nb + nt * 8 + 2 * t4;
+          if (i < rows) store_pair(og + (tok0 + i) * p.o_tok_stride + c, o_acc[nt][0], o_acc[nt][1]);
+          if (i + 8 < rows) store_pair(og + (tok0 + i + 8) * p.o_tok_stride + c, o_acc[nt][2], o_acc[nt][3]);
+        }
+      }
+      int const d0 = warp * 16 + g8;
+      float const gm0 = sm.gamma[d0], gm1 = sm.gamma[d0 + 8];
+#pragma unroll
+      for (int nt = 0; nt < kNS; ++nt) {
+        S[nt][0] *= gm0;
+        S[nt][1] *= gm0;
+        S[nt][2] *= gm1;
+        S[nt][3] *= gm1;
+      }
       if constexpr (kWgmma) {
-        wg_mma_tn<kBV / 2>(o_acc, &sm.aqk[0][0], &sm.u4.vpT[0][0] + nb * kC, lane, warp & 3);
+        wg_mma_tn<kBV>(S, &sm.t3.KdT[0][0] + (warp >> 2) * 64 * kC, &sm.u4.vpT[0][0], lane, warp & 3);
       } else {
-        warp_mma_tn<kNO, kC>(o_acc, &sm.aqk[16 * mt][0], kLdC, &sm.u4.vpT[nb][0], kLdC, lane);
+        warp_mma_tn<kNS, kC>(S, &sm.t3.KdT[warp * 16][0], kLdC, &sm.u4.vpT[0][0], kLdC, lane);
       }
-#pragma unroll
-      for (int nt = 0; nt < kNO; ++nt) {
-        int const i = 16 * mt + g8, c = nb + nt * 8 + 2 * t4;
-        if (i < rows) store_pair(og + (tok0 + i) * p.o_tok_stride + c, o_acc[nt][0], o_acc[nt][1]);
-        if (i + 8 < rows) store_pair(og + (tok0 + i + 8) * p.o_tok_stride + c, o_acc[nt][2], o_acc[nt][3]);
-      }
+      store_sT(S);
     }
-    int const d0 = warp * 16 + g8;
-    float const gm0 = sm.gamma[d0], gm1 = sm.gamma[d0 + 8];
-#pragma unroll
-    for (int nt = 0; nt < kNS; ++nt) {
-      S[nt][0] *= gm0;
-      S[nt][1] *= gm0;
-      S[nt][2] *= gm1;
-      S[nt][3] *= gm1;
-    }
-    if constexpr (kWgmma) {
-      wg_mma_tn<kBV>(S, &sm.t3.KdT[0][0] + (warp >> 2) * 64 * kC, &sm.u4.vpT[0][0], lane, warp & 3);
-    } else {
-      warp_mma_tn<kNS, kC>(S, &sm.t3.KdT[warp * 16][0], kLdC, &sm.u4.vpT[0][0], kLdC, lane);
-    }
-    store_sT(S);
   };
 
   mark(-1);
@@ -923,7 +998,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
         for (int u = 0; u < kBC; ++u) {
           Gr[u].x += off.x;
           Gr[u].y += off.y;
-          *reinterpret_cast<float2*>(&sm.u2.G[kBC * r + u][d]) = Gr[u];
+          if constexpr (kPass != kKdaPrep) *reinterpret_cast<float2*>(&sm.u2.G[kBC * r + u][d]) = Gr[u];
         }
         sm.anc_a[r][d] = int(ceilf(Gr[0].x));
         sm.anc_a[r][d + 1] = int(ceilf(Gr[0].y));
@@ -936,6 +1011,10 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
           sm.anc_b[3][d + 1] = int(floorf(Gr[kBC - 1].y));
           sm.gamma[d] = ex2(Gr[kBC - 1].x);
           sm.gamma[d + 1] = ex2(Gr[kBC - 1].y);
+          if constexpr (kPass == kKdaPrep) {
+            sm.g63[d] = Gr[kBC - 1].x;
+            sm.g63[d + 1] = Gr[kBC - 1].y;
+          }
         }
       }
       __syncthreads();
@@ -948,23 +1027,68 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
         int const r = pr >= 6 ? 3 : pr >= 3 ? 2 : pr >= 1 ? 1 : 0, s = pr - r * (r + 1) / 2;
         sm.pw[pr][d] = pow2i(sm.anc_a[r][d] - sm.anc_b[s][d]);
       }
-      for (int idx = tid; idx < kC * (kK / 2); idx += kThreads) {
-        int const i = idx >> 6, d = (idx & 63) * 2, r = i >> 4;
-        float2 const G = *reinterpret_cast<float2 const*>(&sm.u2.G[i][d]);
-        float2 const q2 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i][d]));
-        float2 const k2 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i][d]));
-        float const sq = p.scale * sm.rstd_q[i], sk = sm.rstd_k[i];
-        float const ea0 = ex2(G.x - float(sm.anc_a[r][d])), ea1 = ex2(G.y - float(sm.anc_a[r][d + 1]));
-        float const fb0 = ex2(float(sm.anc_b[r][d]) - G.x), fb1 = ex2(float(sm.anc_b[r][d + 1]) - G.y);
-        store_pair(&t1_at(i, d), q2.x * sq * ea0, q2.y * sq * ea1);
-        store_pair(&ke_at(i, d), k2.x * sk * ea0, k2.y * sk * ea1);
-        store_pair(&sm.t3.Kf[i][d], k2.x * sk * fb0, k2.y * sk * fb1);
+      uint32_t kg[2][kBC / 2];  // kPrep: Kg^T token pairs (i, i + 1) of channels d, d + 1, stored after phase 4
+      if constexpr (kPass == kKdaPrep) {
+        // Thread = (16-row block r, channel pair d) of phase 2, G in its registers: every factor of its 16 x 2
+        // elements, with the expressions of the fused kernel's phases 3 and 5a (same bits). Qe, Ke, Kf to shared
+        // memory; Qg and Kd^T straight to the record (sw128k / sw128 images, bf16 pairs); Kg^T kept until Ke is dead.
+        int const r = tid >> 6, d = 2 * (tid & 63);
+        unsigned char* const rc = record(chunk);
+        bf16* const rec_qg = reinterpret_cast<bf16*>(rc + kRecQg);
+        bf16* const rec_kdT = reinterpret_cast<bf16*>(rc + kRecKdT);
+        float const a0 = float(sm.anc_a[r][d]), a1 = float(sm.anc_a[r][d + 1]);
+        float const b0 = float(sm.anc_b[r][d]), b1 = float(sm.anc_b[r][d + 1]);
+        float const h0x = sm.g63[d], h0y = sm.g63[d + 1];
+#pragma unroll
+        for (int u = 0; u < kBC; u += 2) {
+          int const i = kBC * r + u;
+          float2 const G0 = Gr[u], G1 = Gr[u + 1];
+          float2 const q0 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i][d]));
+          float2 const q1 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i + 1][d]));
+          float2 const k0 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i][d]));
+          float2 const k1 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i + 1][d]));
+          float const sq0 = p.scale * sm.rstd_q[i], sq1 = p.scale * sm.rstd_q[i + 1];
+          float const sk0 = sm.rstd_k[i], sk1 = sm.rstd_k[i + 1];
+          // anchored (phase 4's operands)
+          float const ea00 = ex2(G0.x - a0), ea01 = ex2(G0.y - a1), ea10 = ex2(G1.x - a0), ea11 = ex2(G1.y - a1);
+          float const fb00 = ex2(b0 - G0.x), fb01 = ex2(b1 - G0.y), fb10 = ex2(b0 - G1.x), fb11 = ex2(b1 - G1.y);
+          store_pair(&t1_at(i, d), q0.x * sq0 * ea00, q0.y * sq0 * ea01);
+          store_pair(&t1_at(i + 1, d), q1.x * sq1 * ea10, q1.y * sq1 * ea11);
+          store_pair(&ke_at(i, d), k0.x * sk0 * ea00, k0.y * sk0 * ea01);
+          store_pair(&ke_at(i + 1, d), k1.x * sk1 * ea10, k1.y * sk1 * ea11);
+          store_pair(&sm.t3.Kf[i][d], k0.x * sk0 * fb00, k0.y * sk0 * fb01);
+          store_pair(&sm.t3.Kf[i + 1][d], k1.x * sk1 * fb10, k1.y * sk1 * fb11);
+          // state-side (exponents <= 0)
+          float const e00 = ex2(G0.x), e01 = ex2(G0.y), e10 = ex2(G1.x), e11 = ex2(G1.y);
+          store_pair(rec_qg + sw128k<kC>(i, d), q0.x * sq0 * e00, q0.y * sq0 * e01);
+          store_pair(rec_qg + sw128k<kC>(i + 1, d), q1.x * sq1 * e10, q1.y * sq1 * e11);
+          kg[0][u / 2] = pack_bf16(k0.x * sk0 * e00, k1.x * sk1 * e10);
+          kg[1][u / 2] = pack_bf16(k0.y * sk0 * e01, k1.y * sk1 * e11);
+          store_pair(rec_kdT + sw128(d, i), k0.x * sk0 * ex2(h0x - G0.x), k1.x * sk1 * ex2(h0x - G1.x));
+          store_pair(rec_kdT + sw128(d + 1, i), k0.y * sk0 * ex2(h0y - G0.y), k1.y * sk1 * ex2(h0y - G1.y));
+        }
+      } else {
+        for (int idx = tid; idx < kC * (kK / 2); idx += kThreads) {
+          int const i = idx >> 6, d = (idx & 63) * 2, r = i >> 4;
+          float2 const G = *reinterpret_cast<float2 const*>(&sm.u2.G[i][d]);
+          float2 const q2 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i][d]));
+          float2 const k2 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i][d]));
+          float const sq = p.scale * sm.rstd_q[i], sk = sm.rstd_k[i];
+          float const ea0 = ex2(G.x - float(sm.anc_a[r][d])), ea1 = ex2(G.y - float(sm.anc_a[r][d + 1]));
+          float const fb0 = ex2(float(sm.anc_b[r][d]) - G.x), fb1 = ex2(float(sm.anc_b[r][d + 1]) - G.y);
+          store_pair(&t1_at(i, d), q2.x * sq * ea0, q2.y * sq * ea1);
+          store_pair(&ke_at(i, d), k2.x * sk * ea0, k2.y * sk * ea1);
+          store_pair(&sm.t3.Kf[i][d], k2.x * sk * fb0, k2.y * sk * fb1);
+        }
       }
       __syncthreads();
       mark(2);
 
       // ---- 4: Aqk and L on the 10 sub-block pairs (r, s <= r) each: job j < 10 Aqk, else L, of pair j mod 10;
-      //      warp w takes jobs w, w + 8, w + 16 (the blocks s > r of aqk stay zero from the prologue)
+      //      warp w takes jobs w, w + 8, w + 16 (the blocks s > r of aqk stay zero from the prologue). kPrep: Aqk
+      //      to the record (and the grad extras) from the accumulators, zero blocks included
+      bf16* const rec_aqk = kPass == kKdaPrep ? reinterpret_cast<bf16*>(record(chunk) + kRecAqk) : nullptr;
+      bf16* const aqk_g = extras ? static_cast<bf16*>(p.Aqk) + int64_t(hv) * kC : nullptr;
       for (int job = warp; job < 2 * kPairs; job += 8) {
         bool const is_l = job >= kPairs;
         int const pr = is_l ? job - kPairs : job;
@@ -1003,11 +1127,23 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
           for (int e = 0; e < 4; ++e) {
             int const i = 16 * r + g8 + (e >> 1) * 8, j = 16 * s + nt * 8 + 2 * t4 + (e & 1);
             if (is_l) {
-              sm.u4.L[i][j] = j < i ? sm.beta[i] * acc[nt][e] : 0.f;
+              L_at(i, j) = j < i ? sm.beta[i] * acc[nt][e] : 0.f;
+            } else if constexpr (kPass == kKdaPrep) {
+              bf16 const a = __float2bfloat16_rn(j <= i ? acc[nt][e] : 0.f);
+              rec_aqk[sw128(i, j)] = a;
+              if (extras && i < rows) aqk_g[(tok0 + i) * p.extras_tok_stride + j] = a;
             } else {
               aqk_at(i, j) = __float2bfloat16_rn(j <= i ? acc[nt][e] : 0.f);
             }
           }
+        }
+      }
+      if constexpr (kPass == kKdaPrep) {  // the blocks s > r: 6 x 16 rows x 8 column pairs
+        for (int e = tid; e < 6 * kBC * 8; e += kThreads) {
+          int const bk = e >> 7, rb = bk < 3 ? 0 : bk < 5 ? 1 : 2, cb = bk < 3 ? bk + 1 : bk < 5 ? bk - 1 : 3;
+          int const i = 16 * rb + ((e >> 3) & 15), j = 16 * cb + (e & 7) * 2;
+          store_pair(rec_aqk + sw128(i, j), 0.f, 0.f);
+          if (extras && i < rows) store_pair(aqk_g + (tok0 + i) * p.extras_tok_stride + j, 0.f, 0.f);
         }
       }
       __syncthreads();
@@ -1016,25 +1152,38 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       // ---- 5a: state-side factors (all exponents <= 0); raw q/k and G read for the last time. Thread = (token
       //      pair i, i + 1; channel pair d, d + 1), a warp = 8 token pairs x 4 channel pairs: the bf16x2 stores
       //      into the transposed Kg^T / Kd^T rows and the float2 reads of G rows hit distinct banks.
-      for (int idx = tid; idx < (kC / 2) * (kK / 2); idx += kThreads) {
-        int const l = idx & 31, grp = idx >> 5;
-        int const i = 2 * ((grp & 3) * 8 + (l & 7)), d = 2 * ((grp >> 2) * 4 + (l >> 3));
-        float2 const G0 = *reinterpret_cast<float2 const*>(&sm.u2.G[i][d]);
-        float2 const G1 = *reinterpret_cast<float2 const*>(&sm.u2.G[i + 1][d]);
-        float2 const G63 = *reinterpret_cast<float2 const*>(&sm.u2.G[kC - 1][d]);
-        float2 const q0 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i][d]));
-        float2 const q1 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i + 1][d]));
-        float2 const k0 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i][d]));
-        float2 const k1 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i + 1][d]));
-        float const sq0 = p.scale * sm.rstd_q[i], sq1 = p.scale * sm.rstd_q[i + 1];
-        float const sk0 = sm.rstd_k[i], sk1 = sm.rstd_k[i + 1];
-        float const e00 = ex2(G0.x), e01 = ex2(G0.y), e10 = ex2(G1.x), e11 = ex2(G1.y);  // e[token][channel]
-        store_pair(&t1_at(i, d), q0.x * sq0 * e00, q0.y * sq0 * e01);
-        store_pair(&t1_at(i + 1, d), q1.x * sq1 * e10, q1.y * sq1 * e11);
-        store_pair(&kgT_at(d, i), k0.x * sk0 * e00, k1.x * sk1 * e10);
-        store_pair(&kgT_at(d + 1, i), k0.y * sk0 * e01, k1.y * sk1 * e11);
-        store_pair(&kdT_at(d, i), k0.x * sk0 * ex2(G63.x - G0.x), k1.x * sk1 * ex2(G63.x - G1.x));
-        store_pair(&kdT_at(d + 1, i), k0.y * sk0 * ex2(G63.y - G0.y), k1.y * sk1 * ex2(G63.y - G1.y));
+      //      kPrep: formed in phase 3; Kg^T from its registers (16-byte rows of 8 tokens), Ke being dead
+      if constexpr (kPass == kKdaPrep) {
+        int const r = tid >> 6, d = 2 * (tid & 63);
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            *reinterpret_cast<uint4*>(&kgT_at(d + c, 16 * r + 8 * h)) =
+                make_uint4(kg[c][4 * h], kg[c][4 * h + 1], kg[c][4 * h + 2], kg[c][4 * h + 3]);
+          }
+        }
+      } else {
+        for (int idx = tid; idx < (kC / 2) * (kK / 2); idx += kThreads) {
+          int const l = idx & 31, grp = idx >> 5;
+          int const i = 2 * ((grp & 3) * 8 + (l & 7)), d = 2 * ((grp >> 2) * 4 + (l >> 3));
+          float2 const G0 = *reinterpret_cast<float2 const*>(&sm.u2.G[i][d]);
+          float2 const G1 = *reinterpret_cast<float2 const*>(&sm.u2.G[i + 1][d]);
+          float2 const G63 = *reinterpret_cast<float2 const*>(&sm.u2.G[kC - 1][d]);
+          float2 const q0 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i][d]));
+          float2 const q1 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i + 1][d]));
+          float2 const k0 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i][d]));
+          float2 const k1 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i + 1][d]));
+          float const sq0 = p.scale * sm.rstd_q[i], sq1 = p.scale * sm.rstd_q[i + 1];
+          float const sk0 = sm.rstd_k[i], sk1 = sm.rstd_k[i + 1];
+          float const e00 = ex2(G0.x), e01 = ex2(G0.y), e10 = ex2(G1.x), e11 = ex2(G1.y);  // e[token][channel]
+          store_pair(&t1_at(i, d), q0.x * sq0 * e00, q0.y * sq0 * e01);
+          store_pair(&t1_at(i + 1, d), q1.x * sq1 * e10, q1.y * sq1 * e11);
+          store_pair(&kgT_at(d, i), k0.x * sk0 * e00, k1.x * sk1 * e10);
+          store_pair(&kgT_at(d + 1, i), k0.y * sk0 * e01, k1.y * sk1 * e11);
+          store_pair(&kdT_at(d, i), k0.x * sk0 * ex2(G63.x - G0.x), k1.x * sk1 * ex2(G63.x - G1.x));
+          store_pair(&kdT_at(d + 1, i), k0.y * sk0 * ex2(G63.y - G0.y), k1.y * sk1 * ex2(G63.y - G1.y));
+        }
       }
       __syncthreads();
       mark(4);
@@ -1050,12 +1199,12 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
         for (int i = 0; i < 16; ++i) {
           float s = i == c ? 1.f : 0.f;
 #pragma unroll
-          for (int j = 0; j < i; ++j) s = fmaf(-sm.u4.L[o + i][o + j], x[j], s);
+          for (int j = 0; j < i; ++j) s = fmaf(-L_at(o + i, o + j), x[j], s);
           x[i] = s;
         }
         if (lane < 16) {
 #pragma unroll
-          for (int i = 0; i < 16; ++i) sm.u1.X[o + i][o + c] = x[i];
+          for (int i = 0; i < 16; ++i) X_at(o + i, o + c) = x[i];
         }
       }
       __syncthreads();
@@ -1070,8 +1219,8 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
         auto lx = [&](float4& acc, int r, int t, int s) {
 #pragma unroll
           for (int m = 0; m < 16; ++m) {
-            float const l = sm.u4.L[16 * r + si][16 * t + m];
-            float4 const xv = *reinterpret_cast<float4 const*>(&sm.u1.X[16 * t + m][16 * s + sj]);
+            float const l = L_at(16 * r + si, 16 * t + m);
+            float4 const xv = *reinterpret_cast<float4 const*>(&X_at(16 * t + m, 16 * s + sj));
             acc.x = fmaf(l, xv.x, acc.x);
             acc.y = fmaf(l, xv.y, acc.y);
             acc.z = fmaf(l, xv.z, acc.z);
@@ -1084,7 +1233,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
           float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
           for (int m = 0; m < 16; ++m) {
-            float const xv = sm.u1.X[16 * r + si][16 * r + m];
+            float const xv = X_at(16 * r + si, 16 * r + m);
             float4 const tv = *reinterpret_cast<float4 const*>(&sm.tmp[slot][m][sj]);
             acc.x = fmaf(xv, tv.x, acc.x);
             acc.y = fmaf(xv, tv.y, acc.y);
@@ -1093,11 +1242,11 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
           }
           int const i = 16 * r + si, j = 16 * s + sj;
           float4 const xn = make_float4(-acc.x, -acc.y, -acc.z, -acc.w);
-          *reinterpret_cast<float4*>(&sm.u1.X[i][j]) = xn;
+          *reinterpret_cast<float4*>(&X_at(i, j)) = xn;
           store_pair(&akkb_at(i, j), xn.x * sm.beta[j], xn.y * sm.beta[j + 1]);
           store_pair(&akkb_at(i, j + 2), xn.z * sm.beta[j + 2], xn.w * sm.beta[j + 3]);
         };
-        float4* const part31 = reinterpret_cast<float4*>(&sm.u1.X[si][48 + sj]);  // X block (0, 3): unused
+        float4* const part31 = reinterpret_cast<float4*>(&X_at(si, 48 + sj));  // X block (0, 3): unused
         float4 const z4 = make_float4(0.f, 0.f, 0.f, 0.f);
         float4 acc30 = z4, acc = z4;
         // step 1: T_30 (t = 0) | T_20 (t = 0, kept in acc) | T_10 -> tmp 0 | T_21 -> tmp 1
@@ -1146,7 +1295,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
 #pragma unroll
           for (int e = (grp == 0 ? tid : tid - 128); e < 4 * kBC * 8; e += 128) {
             int const i = 16 * (e >> 7) + ((e >> 3) & 15), j = 16 * (e >> 7) + (e & 7) * 2;
-            float2 const xv = *reinterpret_cast<float2 const*>(&sm.u1.X[i][j]);
+            float2 const xv = *reinterpret_cast<float2 const*>(&X_at(i, j));
             store_pair(&akkb_at(i, j), xv.x * sm.beta[j], xv.y * sm.beta[j + 1]);
           }
         }
@@ -1178,15 +1327,20 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
         for (int idx = tid; idx < rows * (kC / 2); idx += kThreads) {
           int const i = idx >> 5, j = (idx & 31) * 2;
           bool const up = (j >> 4) > (i >> 4);
-          float const x0 = up ? 0.f : sm.u1.X[i][j], x1 = up ? 0.f : sm.u1.X[i][j + 1];
+          float const x0 = up ? 0.f : X_at(i, j), x1 = up ? 0.f : X_at(i, j + 1);
           int64_t const off = (tok0 + i) * p.extras_tok_stride + int64_t(hv) * kC + j;
           store_pair(static_cast<bf16*>(p.Akk) + off, x0, x1);
-          *reinterpret_cast<uint32_t*>(static_cast<bf16*>(p.Aqk) + off) = ld32(&aqk_at(i, j));
+          if constexpr (kPass != kKdaPrep) {  // (kPrep wrote Aqk in phase 4)
+            *reinterpret_cast<uint32_t*>(static_cast<bf16*>(p.Aqk) + off) = ld32(&aqk_at(i, j));
+          }
         }
         __syncthreads();
       }
       mark(5);
-      if (prefetch) issue_qk(chunk + 1);  // u1.raw: X was last read above (barrier between)
+      if (prefetch) {
+        issue_qk(chunk + 1);  // u1.raw: X (kPrep: L) was last read above (barrier between)
+        if constexpr (kPass == kKdaPrep) issue_g(chunk + 1);  // u3.graw: kPrep's X was last read above
+      }
 
       // ---- 6: -W = -(X diag b) Kg : 64 x 128, warp = (row tile w/2, 64 columns), or (kWgmma) warpgroup = 64 columns
       {
@@ -1198,11 +1352,17 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
         } else {
           warp_mma_tn<8, kC>(acc, &sm.akkb[16 * mt][0], kLdC, &sm.t2.KgT[nb][0], kLdC, lane);
         }
+        bf16* const rec_wn = kPass == kKdaPrep ? reinterpret_cast<bf16*>(record(chunk) + kRecWn) : nullptr;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
           int const i = 16 * mt + g8, d = nb + nt * 8 + 2 * t4;
-          store_pair(&wn_at(i, d), -acc[nt][0], -acc[nt][1]);
-          store_pair(&wn_at(i + 8, d), -acc[nt][2], -acc[nt][3]);
+          if constexpr (kPass == kKdaPrep) {  // straight to the record (sw128k image)
+            store_pair(rec_wn + sw128k<kC>(i, d), -acc[nt][0], -acc[nt][1]);
+            store_pair(rec_wn + sw128k<kC>(i + 8, d), -acc[nt][2], -acc[nt][3]);
+          } else {
+            store_pair(&wn_at(i, d), -acc[nt][0], -acc[nt][1]);
+            store_pair(&wn_at(i + 8, d), -acc[nt][2], -acc[nt][3]);
+          }
         }
       }
 #ifndef FLA_CULA_KDA_HOST_EMULATION
@@ -1212,10 +1372,8 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       mark(6);
 
       if constexpr (kPass == kKdaPrep) {
-        write_record(chunk);
-        __syncthreads();  // Qg (t1) was copied out: u3.graw may take the next chunk's g
+        write_record(chunk);  // akkb and gamma; the other tiles went from registers
         if (prefetch) {
-          issue_g(chunk + 1);
           load_vb(chunk + 1);
           store_vb();  // beta last read in phase 5 (barriers between)
         }
@@ -1278,9 +1436,9 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(__grid_constant__ 
 }
 
 // The two-kernel form, kernel 1: phases 1-6 of chunks_per_cta chunks per CTA (n, hv, chunk block), chunk-parallel;
-// each chunk's operand tiles to its record.
+// each chunk's operand tiles to its record. PrepStorage: two CTAs per SM (128 registers a thread at most).
 template <GateForm kGate>
-__global__ void __launch_bounds__(kThreads, 1) kda_prep_kernel(__grid_constant__ KdaFwdParams const p) {
+__global__ void __launch_bounds__(kThreads, 2) kda_prep_kernel(__grid_constant__ KdaFwdParams const p) {
   kda_fwd_body<kGate, false, 64, true, kKdaPrep>(p);
 }
 

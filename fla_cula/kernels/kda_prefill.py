@@ -162,14 +162,18 @@ ROUTE_GAIN = 0.9
 FLA_US_PER_SERIAL_CHUNK = 3.2
 
 
-def _pass_us(chunks: list[int], copies: int, sms: int, us: float) -> float:
+def _pass_us(chunks: list[int], copies: int, sms: int, us: float, per_sm: int = 1, us_alone: float = 0.0) -> float:
     """One launch of CTAs with these chunk counts, each `copies` times (heads x V blocks), at `us` per chunk on `sms`
-    SMs (one CTA per SM): full waves for equal counts, else the average load plus the longest CTA (a bound)."""
+    SMs holding `per_sm` CTAs each (`us_alone` when no SM gets two): full waves for equal counts, else the average
+    load plus the longest CTA (a bound)."""
     if not chunks:
         return 0.0
+    slots = sms * per_sm
+    if per_sm > 1 and us_alone and len(chunks) * copies <= sms:
+        us = us_alone
     if len(set(chunks)) <= 1:
-        return -(-len(chunks) * copies // sms) * chunks[0] * us
-    return (sum(chunks) * copies / sms + max(chunks)) * us
+        return -(-len(chunks) * copies // slots) * chunks[0] * us
+    return (sum(chunks) * copies / slots + max(chunks)) * us
 
 
 def fla_us(lens: list[int], HV: int) -> float:
@@ -198,7 +202,9 @@ def predicted_us(lens: list[int], HV: int, sms: int) -> tuple[float, float]:
 TWO_KERNEL_VERIFIED = False
 REC_BYTES = int(_C.KDA_REC_BYTES)
 PREP_CHUNKS = 4                     # chunks per prep CTA: the next chunk's loads overlap the current one's phases
-PREP_US_PER_CHUNK = 11.0            # phases 1-6: 20.6K cycles + ~1K to store the 64.5 KB record
+PREP_CTAS_PER_SM = 2                # PrepStorage: 109 KB of shared memory, 128 registers
+PREP_US_PER_CHUNK = (11.0, 13.2)    # phases 1-6 alone: 20.6K cycles + ~1K of record stores; x 1.2 with two CTAs
+                                    # sharing the SM (docs/kda_sm90.md section 2's estimate for co-resident CTAs)
 STATE_US_PER_CHUNK = {64: 2.5, 128: 3.6}   # phases 7-8 + the v store: 4.3K / 6.6K cycles + record waits
 MAPS_US_PER_CHUNK = 2.0             # block_v 128 without O: V' and the state update
 COMBINE_US = (8.0, 3.0)             # the host combine: fixed, and per serial segment step
@@ -223,7 +229,7 @@ def two_kernel_plan(lens: list[int], HV: int, sms: int, segments: int | None = N
     maxc = max(chunks, default=0)
     prep_units = max(1, -(-maxc // PREP_CHUNKS))
     blocks = [min(PREP_CHUNKS, c - PREP_CHUNKS * u) for c in chunks for u in range(-(-c // PREP_CHUNKS))]
-    prep = _pass_us(blocks, HV, sms, PREP_US_PER_CHUNK)
+    prep = _pass_us(blocks, HV, sms, PREP_US_PER_CHUNK[1], PREP_CTAS_PER_SM, PREP_US_PER_CHUNK[0])
     best = None
     for P in ([segments] if segments else range(1, MAX_SEGMENTS + 1)):
         seg = -(-maxc // P) if P > 1 else 0
