@@ -468,6 +468,18 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   auto X_at = [&](int i, int j) -> float& {
     if constexpr (kPass == kKdaPrep) return sm.u3.X[i][j]; else return sm.u1.X[i][j];
   };
+  // raw q, k of tokens i, i + 1 at channels d, d + 1 and the row scales scale * rstd_q, rstd_k (phases 3 and 5a)
+  struct RawPair {
+    float2 q0, q1, k0, k1;
+    float sq0, sq1, sk0, sk1;
+  };
+  auto raw_pair = [&](int i, int d) {
+    auto ld = [&](bf16 const (&rows)[kC][kLdK], int t) {
+      return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&rows[t][d]));
+    };
+    return RawPair{ld(sm.u1.raw.q, i), ld(sm.u1.raw.q, i + 1), ld(sm.u1.raw.k, i), ld(sm.u1.raw.k, i + 1),
+                   p.scale * sm.rstd_q[i], p.scale * sm.rstd_q[i + 1], sm.rstd_k[i], sm.rstd_k[i + 1]};
+  };
   auto store_sT = [&](float const (&s)[kBV / 8][4]) {
     int const m = lane >> 3, j = lane & 7;
 #pragma unroll
@@ -1043,12 +1055,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
         for (int u = 0; u < kBC; u += 2) {
           int const i = kBC * r + u;
           float2 const G0 = Gr[u], G1 = Gr[u + 1];
-          float2 const q0 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i][d]));
-          float2 const q1 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i + 1][d]));
-          float2 const k0 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i][d]));
-          float2 const k1 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i + 1][d]));
-          float const sq0 = p.scale * sm.rstd_q[i], sq1 = p.scale * sm.rstd_q[i + 1];
-          float const sk0 = sm.rstd_k[i], sk1 = sm.rstd_k[i + 1];
+          auto const [q0, q1, k0, k1, sq0, sq1, sk0, sk1] = raw_pair(i, d);
           // anchored (phase 4's operands)
           float const ea00 = ex2(G0.x - a0), ea01 = ex2(G0.y - a1), ea10 = ex2(G1.x - a0), ea11 = ex2(G1.y - a1);
           float const fb00 = ex2(b0 - G0.x), fb01 = ex2(b1 - G0.y), fb10 = ex2(b0 - G1.x), fb11 = ex2(b1 - G1.y);
@@ -1170,12 +1177,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
           float2 const G0 = *reinterpret_cast<float2 const*>(&sm.u2.G[i][d]);
           float2 const G1 = *reinterpret_cast<float2 const*>(&sm.u2.G[i + 1][d]);
           float2 const G63 = *reinterpret_cast<float2 const*>(&sm.u2.G[kC - 1][d]);
-          float2 const q0 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i][d]));
-          float2 const q1 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i + 1][d]));
-          float2 const k0 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i][d]));
-          float2 const k1 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i + 1][d]));
-          float const sq0 = p.scale * sm.rstd_q[i], sq1 = p.scale * sm.rstd_q[i + 1];
-          float const sk0 = sm.rstd_k[i], sk1 = sm.rstd_k[i + 1];
+          auto const [q0, q1, k0, k1, sq0, sq1, sk0, sk1] = raw_pair(i, d);
           float const e00 = ex2(G0.x), e01 = ex2(G0.y), e10 = ex2(G1.x), e11 = ex2(G1.y);  // e[token][channel]
           store_pair(&t1_at(i, d), q0.x * sq0 * e00, q0.y * sq0 * e01);
           store_pair(&t1_at(i + 1, d), q1.x * sq1 * e10, q1.y * sq1 * e11);
