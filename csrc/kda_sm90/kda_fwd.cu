@@ -24,6 +24,9 @@ void launch(KdaFwdParams const& a, int64_t ctas, char const* name) {
   FLA_CULA_REQUIRE(a.device >= 0 && a.device < kMaxDevices, "kda_fwd: device ordinal out of range");
   if (!opted_in[a.device].load(std::memory_order_acquire)) {
     FLA_CULA_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    // all of the SM's unified memory as shared memory: the prep kernel's two CTAs per SM need 2 x 110 KB
+    FLA_CULA_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                             int(cudaSharedmemCarveoutMaxShared)));
     opted_in[a.device].store(true, std::memory_order_release);
   }
   kKernel<<<dim3(unsigned(ctas)), kda_sm90::kThreads, kSmem, static_cast<cudaStream_t>(a.stream)>>>(a);
