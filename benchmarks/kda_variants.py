@@ -101,12 +101,13 @@ def _pass_graphs(kp, kargs, B, T, H, sms, knobs, capture_graph):
 
     o = torch.empty(B, T, H, 128, dtype=q.dtype, device=q.device)
     ht = torch.empty(B, H, 128, 128, dtype=torch.float32, device=q.device)
-    kp.run_two_kernel(recording, B, H, kp.record_slots(B, T, B), q.device, plan, o, ht, None, None)
+    kp.run_two_kernel(recording, B, H, kp.record_slots(B, T, B), q.device, plan, o, ht, None, None,
+                      combine=kp._C.kda_combine)
     names = ["prep"] + (["maps"] if plan.segments > 1 else []) + ["pass 2"]
     out = [(n, capture_graph(lambda kw=kw: launch(**kw))) for n, kw in zip(names, calls, strict=True)]
     if plan.segments > 1:
         seg_H, seg_M = calls[1]["seg_H"].clone(), calls[1]["seg_M"]
-        out.insert(2, ("combine", capture_graph(lambda: kp.combine_segments(seg_H, seg_M))))
+        out.insert(2, ("combine", capture_graph(lambda: kp._C.kda_combine(seg_H, seg_M))))
     return plan, out
 
 

@@ -31,6 +31,7 @@ REQUIRED_SASS: dict[str, list[str]] = {
     # kernel (wgmma products, cp.async record loads)
     r"kda_prep_kernel": ["HMMA", "HGMMA", "LDGSTS"],
     r"kda_state_kernel": ["HGMMA", "LDGSTS"],
+    r"kda_combine_kernel": [],  # the split's combine: fp32 FMAs on CUDA cores
 }
 ARCH = "sm_90a"
 

@@ -17,6 +17,7 @@
     python -m pytest -q -s tests/test_kda_prefill_compile.py
 """
 
+import functools
 import math
 import os
 
@@ -599,8 +600,25 @@ inline void kda_emulated_wgmma(float (&acc)[N / 8][4], __nv_bfloat16 const* A, _
 
 #define FLA_CULA_KDA_HOST_EMULATION 1
 #include "kda_sm90/kda_fwd_kernel.cuh"
+#include "kda_sm90/kda_combine_kernel.cuh"
 
 using namespace fla_cula;
+
+extern "C" void emu_combine(float* seg_H, float const* seg_M, int slots, long long pairs) {
+  std::barrier<> bar(kda_sm90::kCombineThreads);
+  g_bar = &bar;
+  for (long long b = 0; b < pairs * (128 / kda_sm90::kCombineCols); ++b) {
+    blockIdx.x = unsigned(b);
+    std::memset(smem_raw, 0xff, sizeof(smem_raw));
+    std::vector<std::thread> th;
+    for (int t = 0; t < kda_sm90::kCombineThreads; ++t)
+      th.emplace_back([=] {
+        threadIdx.x = t;
+        kda_sm90::kda_combine_kernel(seg_H, seg_M, slots, pairs);
+      });
+    for (auto& x : th) x.join();
+  }
+}
 
 extern "C" int emu_sw128(int r, int c) { return kda_sm90::sw128(r, c); }
 extern "C" int emu_sw128k(int rows, int r, int c) {
@@ -816,6 +834,32 @@ def test_kernel_source_emulated_on_cpu_matches_model(emulator, case, block_v):
     assert (torch.triu(Akk[0, : min(64, Akk.shape[1]), 0].float()[:, : min(64, Akk.shape[1])], 1) == 0).all()
 
 
+def _emu_combine(lib, seg_H, seg_M):
+    """The combine kernel (kda_combine_kernel.cuh) emulated, in place on seg_H."""
+    import ctypes
+    lib.emu_combine(_ptr(seg_H), _ptr(seg_M), seg_H.shape[0], ctypes.c_longlong(seg_H.shape[1] * seg_H.shape[2]))
+
+
+def test_combine_kernel_emulated(emulator):
+    """The combine kernel against the fp64 torch combine (kda_prefill.combine_segments): fp32 sums of 128 products per
+    element and boundary, within fp32 rounding; with zero maps it returns H exactly; one slot is a no-op."""
+    _ext_or_skip()
+    from fla_cula.kernels.kda_prefill import combine_segments
+    gen = torch.Generator().manual_seed(21)
+    H = torch.randn(4, 2, 3, 128, 128, generator=gen)
+    M = torch.eye(128) * 0.9 + torch.randn(3, 2, 3, 128, 128, generator=gen) * 0.02   # maps near the identity
+    ref, got = H.clone(), H.clone()
+    combine_segments(ref, M)
+    _emu_combine(emulator, got, M)
+    assert rel_rms(ref, got) < 1e-6 and torch.equal(got[0], H[0])
+    got = H.clone()
+    _emu_combine(emulator, got, torch.zeros_like(M))
+    assert torch.equal(got, H)
+    one = H[:1].clone()
+    _emu_combine(emulator, one, M[:0])
+    assert torch.equal(one, H[:1])
+
+
 def _h_buffers(q, cu, HV):
     """NaN-poisoned h_inter [B, NT, HV, 128, 128] bf16 and, for varlen, the chunk offsets (FLA's layout)."""
     B, T = q.shape[:2]
@@ -855,7 +899,8 @@ def _emulate_two_kernel(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale,
                   bsig=bsig, neg=neg, svf=svf, block_v=block_v, wgmma=True, pass_=pass_kind, rec=rec,
                   cpc=chunks_per_cta, units=units, maps=maps, seg_H=seg_H, seg_M=seg_M, **kw)
 
-    kp.run_two_kernel(launch, N, HV, kp.record_slots(B, T, N), "cpu", plan, o, ht, Aqk, Akk, out_kw)
+    kp.run_two_kernel(launch, N, HV, kp.record_slots(B, T, N), "cpu", plan, o, ht, Aqk, Akk, out_kw,
+                      functools.partial(_emu_combine, lib))
     return o, ht, Aqk, Akk
 
 

@@ -83,6 +83,18 @@ enum KdaPass : int { kKdaFused = 0, kKdaPrep = 1, kKdaState = 2 };
 constexpr int kKdaRecGroupA = (64 * 64 + 2 * 64 * 128) * 2;
 constexpr int kKdaRecBytes = kKdaRecGroupA + (64 * 64 + 128 * 64) * 2 + 128 * 4;
 
+// The split's combine (kda_combine_kernel.cuh): seg_H [slots][pairs][128][128] and seg_M [slots - 1][pairs][128][128]
+// fp32, K-major; in place, seg_H[s] += seg_M[s - 1] seg_H[s - 1] for s = 1 .. slots - 1 in order.
+struct KdaCombineParams {
+  float* seg_H;
+  float const* seg_M;
+  int slots;      // P - 1
+  int64_t pairs;  // N * HV
+  int device;
+  void* stream;
+};
+void run_kda_combine(KdaCombineParams const& params);
+
 // Enqueues the forward on params.stream; never synchronizes. std::invalid_argument for bad sizes,
 // std::runtime_error for CUDA failures.
 void run_kda_fwd(KdaFwdParams const& params);

@@ -307,9 +307,39 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
   run_kda_fwd(p);
 }
 
+void kda_combine_api(py::handle seg_H_obj, py::handle seg_M_obj) {
+  TensorArg H = tensor_arg(seg_H_obj, "seg_H");
+  expect_dtype(H, {dtype::kFloat32});
+  expect_ndim(H, 5);
+  if (H.size(3) != kHeadDim || H.size(4) != kHeadDim) {
+    throw py::value_error("seg_H: expected shape (P - 1, N, HV, 128, 128), got " + H.shape_str());
+  }
+  expect_contiguous(H);
+  expect_cuda(H);
+  int64_t const slots = H.size(0), N = H.size(1), HV = H.size(2);
+  TensorArg M = tensor_arg(seg_M_obj, "seg_M");
+  std::string const what = "(P - 2, N, HV, 128, 128) = (" + std::to_string(slots > 0 ? slots - 1 : 0) + ", " +
+                           std::to_string(N) + ", " + std::to_string(HV) + ", 128, 128)";
+  expect_tensor(M, {dtype::kFloat32}, {slots > 0 ? slots - 1 : 0, N, HV, kHeadDim, kHeadDim}, what.c_str(), &H);
+  if (slots > INT32_MAX) throw py::value_error("seg_H: too many segments, got shape " + H.shape_str());
+  KdaCombineParams p{};
+  p.seg_H = H.ptr<float>();
+  p.seg_M = M.ptr<float>();
+  p.slots = static_cast<int>(slots);
+  p.pairs = N * HV;
+  p.device = H.device.device_id;
+  p.stream = current_stream(H.device);
+  py::gil_scoped_release release;
+  run_kda_combine(p);
+}
+
 }  // namespace
 
 void register_kda_fwd(py::module_& m) {
+  m.def("kda_combine", &kda_combine_api, py::arg("seg_H"), py::arg("seg_M"),
+        "The exact sequence split's combine on the current stream of seg_H's device: fp32 seg_H [P-1, N, HV, 128,\n"
+        "128] and seg_M [P-2, N, HV, 128, 128] (K-major, contiguous); in place, seg_H[s] += seg_M[s-1] @ seg_H[s-1]\n"
+        "for s = 1 .. P-2 in order (fp32 FMA sums over the 128 inner terms in order). Does not synchronize.");
   m.def("kda_fwd", &kda_fwd_api, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"),
         py::arg("A_log"), py::arg("dt_bias"), py::arg("initial_state"), py::arg("cu_seqlens"), py::arg("o"),
         py::arg("final_state"), py::arg("Aqk"), py::arg("Akk"), py::arg("scale"), py::arg("lower_bound"),

@@ -207,7 +207,7 @@ PREP_US_PER_CHUNK = (11.0, 13.2)    # phases 1-6 alone: 20.6K cycles + ~1K of re
                                     # sharing the SM (docs/kda_sm90.md section 2's estimate for co-resident CTAs)
 STATE_US_PER_CHUNK = {64: 2.5, 128: 3.6}   # phases 7-8 + the v store: 4.3K / 6.6K cycles + record waits
 MAPS_US_PER_CHUNK = 2.0             # block_v 128 without O: V' and the state update
-COMBINE_US = (8.0, 3.0)             # the host combine: fixed, and per serial segment step
+COMBINE_US = (4.0, 2.0)             # the combine kernel: fixed, and per serial segment step (262K FMA per CTA)
 LAUNCH_US = 3.0                     # each launch after the first (graph replay)
 MAX_SEGMENTS = 16
 
@@ -257,10 +257,11 @@ def record_slots(B: int, T: int, N: int) -> int:
 
 
 def combine_segments(seg_H: torch.Tensor, seg_M: torch.Tensor) -> None:
-    """The split's combine, in place. seg_H [P-1, N, HV, K, V] fp32: segment s's end state from its own start (h0
-    for s = 0, else 0); seg_M [P-2, N, HV, K, K]: the transition maps of segments 1 .. P-2 (end = M start + H).
-    Afterwards seg_H[s] is the true state at the end of segment s, the start of segment s + 1. Products in fp64
-    (exact for these fp32 factors up to fp64 rounding, whatever torch's fp32 matmul precision is set to)."""
+    """The split's combine in torch (the reference of the kernel `_C.kda_combine`, which the forward uses), in place.
+    seg_H [P-1, N, HV, K, V] fp32: segment s's end state from its own start (h0 for s = 0, else 0); seg_M
+    [P-2, N, HV, K, K]: the transition maps of segments 1 .. P-2 (end = M start + H). Afterwards seg_H[s] is the
+    true state at the end of segment s, the start of segment s + 1. Products in fp64 (exact for these fp32 factors up
+    to fp64 rounding, whatever torch's fp32 matmul precision is set to)."""
     if seg_H.shape[0] < 2:
         return
     K, V = seg_H.shape[-2:]
@@ -271,12 +272,12 @@ def combine_segments(seg_H: torch.Tensor, seg_M: torch.Tensor) -> None:
 
 
 def run_two_kernel(launch, N: int, HV: int, slots: int, device, plan: TwoKernelPlan, o, ht, Aqk, Akk,
-                   out_kw: dict | None = None) -> None:
+                   out_kw: dict | None = None, combine=combine_segments) -> None:
     """The two-kernel form: `launch(**kw)` runs one pass of the kernel (the extension's kda_fwd with this call's
     inputs bound; the CPU emulator in tests) with the keywords pass_kind, rec, chunks_per_cta, units, maps, seg_H,
-    seg_M, block_v, o, ht, Aqk, Akk, and out_kw (h_inter, chunk_offsets) for the pass that writes o. Allocates the
-    records (64.5 KB per chunk and value head) and the segment states (64 KB per (sequence, value head) and
-    segment, 2 P - 3 of them)."""
+    seg_M, block_v, o, ht, Aqk, Akk, and out_kw (h_inter, chunk_offsets) for the pass that writes o; `combine(seg_H,
+    seg_M)` is the split's combine (the forward passes `_C.kda_combine`). Allocates the records (64.5 KB per chunk
+    and value head) and the segment states (64 KB per (sequence, value head) and segment, 2 P - 3 of them)."""
     rec = torch.empty(HV, slots, REC_BYTES, dtype=torch.uint8, device=device)
     launch(pass_kind=1, rec=rec, chunks_per_cta=PREP_CHUNKS, units=plan.prep_units, maps=False, seg_H=None,
            seg_M=None, block_v=64, o=None, ht=None, Aqk=Aqk, Akk=Akk)
@@ -286,7 +287,7 @@ def run_two_kernel(launch, N: int, HV: int, slots: int, device, plan: TwoKernelP
         seg_M = torch.empty(P - 2, N, HV, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
         launch(pass_kind=2, rec=rec, chunks_per_cta=plan.seg_chunks, units=2 * P - 3, maps=True, seg_H=seg_H,
                seg_M=seg_M, block_v=128, o=None, ht=None, Aqk=None, Akk=None)
-        combine_segments(seg_H, seg_M)
+        combine(seg_H, seg_M)
     launch(pass_kind=2, rec=rec, chunks_per_cta=plan.seg_chunks, units=P, maps=False, seg_H=seg_H, seg_M=None,
            block_v=plan.block_v, o=o, ht=ht, Aqk=None, Akk=None, **(out_kw or {}))
 
@@ -416,7 +417,7 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seq
         two = two_kernel_choice(_lens(q, cu_seqlens, cu_seqlens_cpu), HV, _sm_count(dev))
     if two is not None:
         run_two_kernel(functools.partial(launch, wgmma=True), N, HV, record_slots(B, T, N), dev, two, o, ht, Aqk,
-                       Akk, out_kw)
+                       Akk, out_kw, _C.kda_combine)
     else:
         launch(o=o, ht=ht, Aqk=Aqk, Akk=Akk, block_v=_block_v(N, HV, dev), wgmma=_TUNING["wgmma"], **out_kw)
     if not need_grad:

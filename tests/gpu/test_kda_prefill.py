@@ -607,6 +607,24 @@ def test_return_intermediate_states(c, two, strict_mode, fla_fns):
     assert e <= 2 * TOL, e
 
 
+def test_combine_kernel():
+    """_C.kda_combine (the split's combine) against the fp64 torch reference: fp32 sums within fp32 rounding; slot 0
+    untouched; wrong shapes are a ValueError naming expected and actual."""
+    from fla_cula import _ext
+    from fla_cula.kernels import kda_prefill as kp
+    C = _ext.require()
+    gen = torch.Generator(device=DEV).manual_seed(22)
+    H = torch.randn(7, 3, 5, 128, 128, device=DEV, generator=gen)
+    M = torch.eye(128, device=DEV) * 0.9 + torch.randn(6, 3, 5, 128, 128, device=DEV, generator=gen) * 0.02
+    ref, got = H.clone(), H.clone()
+    kp.combine_segments(ref, M)
+    C.kda_combine(got, M)
+    torch.cuda.synchronize()
+    assert rel_rms(ref, got) < 1e-6 and torch.equal(got[0], H[0])
+    with pytest.raises(ValueError, match=r"seg_M: expected shape \(P - 2, N, HV, 128, 128\) = \(6, 3, 5, 128, 128\)"):
+        C.kda_combine(got, M[:5])
+
+
 def test_two_kernel_plan():
     """The cost model's split choice: small grids split, big ones do not; forced segments are honoured."""
     from fla_cula.kernels import kda_prefill as kp
