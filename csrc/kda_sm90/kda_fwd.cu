@@ -59,8 +59,8 @@ KdaFwdSpecialization const kKdaFwdSpecialization[kKdaFwdSpecializations] = {
     {"sigmoid_lb", false, kda_sm90::kThreads, 128, true, kKdaFused, kda_sm90::kSmemBytes<128, true>},
     {"sigmoid_lb", true, kda_sm90::kThreads, 128, true, kKdaFused, kda_sm90::kSmemBytes<128, true>},
     {"sigmoid_lb", false, kda_sm90::kThreads, 0, true, kKdaPrep, kda_sm90::kPrepSmemBytes},
-    {"none", false, kda_sm90::kThreads, 64, true, kKdaState, kda_sm90::kSmemBytes<64, true>},
-    {"none", false, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kSmemBytes<128, true>},
+    {"none", false, kda_sm90::kThreads, 64, true, kKdaState, kda_sm90::kStateSmemBytes<64>},
+    {"none", false, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateSmemBytes<128>},
 };
 
 void run_kda_fwd(KdaFwdParams const& a) {
@@ -90,9 +90,9 @@ void run_kda_fwd(KdaFwdParams const& a) {
   }
   if (a.pass == kKdaState) {
     if (a.block_v == 128) {
-      launch<kda_sm90::kda_state_kernel<128>, kda_sm90::kSmemBytes<128, true>>(a, ctas, "kda_state_kernel");
+      launch<kda_sm90::kda_state_kernel<128>, kda_sm90::kStateSmemBytes<128>>(a, ctas, "kda_state_kernel");
     } else {
-      launch<kda_sm90::kda_state_kernel<64>, kda_sm90::kSmemBytes<64, true>>(a, ctas, "kda_state_kernel");
+      launch<kda_sm90::kda_state_kernel<64>, kda_sm90::kStateSmemBytes<64>>(a, ctas, "kda_state_kernel");
     }
     return;
   }

@@ -152,8 +152,36 @@ struct PrepStorage {
   alignas(16) float pw[kPairs][kK];
 };
 
+// The state kernel's layout (kda_state_kernel): the operand tiles of phases 7-8, every one live across the chunk, no
+// prep scratch (wgmma images, dense). ~97 KB at kBV 64: two CTAs per SM; ~130 KB at 128.
+template <int kBV>
+struct StateStorage {
+  alignas(1024) bf16 sT[kBV][kK];            // bf16(S)^T, sw128k
+  alignas(1024) bf16 vT[kBV][kC];            // v^T, sw128
+  alignas(1024) bf16 akkb[kC][kC];           // record group A: X diag(beta), -W, Qg
+  struct {
+    alignas(1024) bf16 Wn[kC][kK];
+  } u2;
+  struct {
+    alignas(1024) bf16 t1[kC][kK];
+  } u3;
+  alignas(1024) bf16 aqk[kC][kC];            // record group B: Aqk, Kd^T, gamma
+  struct {
+    alignas(1024) bf16 KdT[kK][kC];
+  } t3;
+  struct {
+    alignas(1024) bf16 vpT[kBV][kC];         // bf16(V')^T
+  } u4;
+  alignas(16) float gamma[kK];
+  long long prof[kKdaFwdPhases];
+  long long prof_mark;
+};
+
 template <int kBV, bool kWgmma = false>
 constexpr int kSmemBytes = int(sizeof(SharedStorage<kBV, kWgmma>));
+template <int kBV>
+constexpr int kStateSmemBytes = int(sizeof(StateStorage<kBV>));
+static_assert(2 * (kStateSmemBytes<64> + 1024) <= 228 * 1024, "the state kernel at 64 columns: two CTAs per SM");
 constexpr int kPrepSmemBytes = int(sizeof(PrepStorage));
 static_assert(2 * (kPrepSmemBytes + 1024) <= 228 * 1024, "the prep must fit two CTAs per SM");
 static_assert(kSmemBytes<128> <= 227 * 1024, "shared memory over the SM90 opt-in maximum");
@@ -408,7 +436,9 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   constexpr int kNS = kBV / 8;   // n-tiles of 8 columns of the state rows a warp owns
   constexpr int kNO = kBV / 16;  // n-tiles of the V' / O tile a warp owns (half of the columns)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  using Smem = std::conditional_t<kPass == kKdaPrep, PrepStorage, SharedStorage<kBV, kWgmma>>;
+  using Fused = SharedStorage<kBV, kWgmma>;
+  using Smem = std::conditional_t<kPass == kKdaPrep, PrepStorage,
+                                  std::conditional_t<kPass == kKdaState, StateStorage<kBV>, Fused>>;
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
 #ifndef FLA_CULA_KDA_HOST_EMULATION
   // the swizzle of the wgmma tiles is a function of the shared-memory address: a base off 1024 B would make every
@@ -420,6 +450,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   // the phase-8 operand tiles, element (row, token): padded rows, or (kWgmma) the wgmma layout. Tiles that
   // PrepStorage lacks are reached only under `if constexpr (kFusedTiles)` (the prep never calls their accessors).
   constexpr bool kFusedTiles = kPass != kKdaPrep;
+  constexpr bool kPrepTiles = kPass != kKdaState;  // StateStorage has no prep scratch
   auto aqk_at = [&](int i, int j) -> bf16& {
     if constexpr (!kFusedTiles) __builtin_unreachable();
     else if constexpr (kWgmma) return (&sm.aqk[0][0])[sw128(i, j)]; else return sm.aqk[i][j];
@@ -437,10 +468,12 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
     if constexpr (kWgmma) return (&sm.akkb[0][0])[sw128(i, j)]; else return sm.akkb[i][j];
   };
   auto kgT_at = [&](int d, int i) -> bf16& {
-    if constexpr (kWgmma) return (&sm.t2.KgT[0][0])[sw128(d, i)]; else return sm.t2.KgT[d][i];
+    if constexpr (!kPrepTiles) __builtin_unreachable();
+    else if constexpr (kWgmma) return (&sm.t2.KgT[0][0])[sw128(d, i)]; else return sm.t2.KgT[d][i];
   };
   auto ke_at = [&](int i, int d) -> bf16& {  // phase 4's A operand, laid out as t1 so both share one addressing
-    if constexpr (kWgmma) return (&sm.t2.Ke[0][0])[sw128k<kC>(i, d)]; else return sm.t2.Ke[i][d];
+    if constexpr (!kPrepTiles) __builtin_unreachable();
+    else if constexpr (kWgmma) return (&sm.t2.Ke[0][0])[sw128k<kC>(i, d)]; else return sm.t2.Ke[i][d];
   };
   auto t1_at = [&](int i, int d) -> bf16& {
     if constexpr (kWgmma) return (&sm.u3.t1[0][0])[sw128k<kC>(i, d)]; else return sm.u3.t1[i][d];
@@ -457,29 +490,36 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   int const tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   int const g8 = lane >> 2, t4 = lane & 3;
 
-  // bf16(S)^T into sT: warp w's state rows d = 16 w .. 16 w + 15 become channels d of every column row c of sT. One
-  // stmatrix.trans x4 per column pair (nt, nt + 1): tiles (nt, rows 0-7), (nt, rows 8-15), (nt + 1, ...); lane l
-  // addresses column nt * 8 + l % 8 (+ 8 for tiles 2, 3) at channel 16 w (+ 8 for tiles 1, 3). 16-byte rows: the
-  // channels of an 8-aligned group are contiguous in both sT layouts (padded rows; sw128k's 16-byte chunks).
   // L and X of the inverse (PrepStorage keeps them where the raw rows and Qe were)
   auto L_at = [&](int i, int j) -> float& {
-    if constexpr (kPass == kKdaPrep) return sm.u1.L[i][j]; else return sm.u4.L[i][j];
+    if constexpr (!kPrepTiles) __builtin_unreachable();
+    else if constexpr (kPass == kKdaPrep) return sm.u1.L[i][j]; else return sm.u4.L[i][j];
   };
   auto X_at = [&](int i, int j) -> float& {
-    if constexpr (kPass == kKdaPrep) return sm.u3.X[i][j]; else return sm.u1.X[i][j];
+    if constexpr (!kPrepTiles) __builtin_unreachable();
+    else if constexpr (kPass == kKdaPrep) return sm.u3.X[i][j]; else return sm.u1.X[i][j];
   };
   // raw q, k of tokens i, i + 1 at channels d, d + 1 and the row scales scale * rstd_q, rstd_k (phases 3 and 5a)
   struct RawPair {
     float2 q0, q1, k0, k1;
     float sq0, sq1, sk0, sk1;
   };
-  auto raw_pair = [&](int i, int d) {
-    auto ld = [&](bf16 const (&rows)[kC][kLdK], int t) {
-      return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&rows[t][d]));
-    };
-    return RawPair{ld(sm.u1.raw.q, i), ld(sm.u1.raw.q, i + 1), ld(sm.u1.raw.k, i), ld(sm.u1.raw.k, i + 1),
-                   p.scale * sm.rstd_q[i], p.scale * sm.rstd_q[i + 1], sm.rstd_k[i], sm.rstd_k[i + 1]};
+  auto raw_pair = [&](int i, int d) -> RawPair {
+    if constexpr (!kPrepTiles) {
+      __builtin_unreachable();
+    } else {
+      auto ld = [&](bf16 const (&rows)[kC][kLdK], int t) {
+        return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&rows[t][d]));
+      };
+      return RawPair{ld(sm.u1.raw.q, i), ld(sm.u1.raw.q, i + 1), ld(sm.u1.raw.k, i), ld(sm.u1.raw.k, i + 1),
+                     p.scale * sm.rstd_q[i], p.scale * sm.rstd_q[i + 1], sm.rstd_k[i], sm.rstd_k[i + 1]};
+    }
   };
+
+  // bf16(S)^T into sT: warp w's state rows d = 16 w .. 16 w + 15 become channels d of every column row c of sT. One
+  // stmatrix.trans x4 per column pair (nt, nt + 1): tiles (nt, rows 0-7), (nt, rows 8-15), (nt + 1, ...); lane l
+  // addresses column nt * 8 + l % 8 (+ 8 for tiles 2, 3) at channel 16 w (+ 8 for tiles 1, 3). 16-byte rows: the
+  // channels of an 8-aligned group are contiguous in both sT layouts (padded rows; sw128k's 16-byte chunks).
   auto store_sT = [&](float const (&s)[kBV / 8][4]) {
     int const m = lane >> 3, j = lane & 7;
 #pragma unroll
@@ -663,22 +703,26 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   // (waited for at the barrier that ends the previous chunk); v and beta through registers (vv, bv),
   // stored to vT / beta by store_vb. kPrep reads no v, kState no q, k, g, beta (its records hold what they give).
   auto issue_qk = [&](int c) {
-    int64_t const t0 = bos + int64_t(c) * kC;
-    int const rw = chunk_rows(c);
-    for (int idx = tid; idx < kC * (kK / 8); idx += kThreads) {
-      int const i = idx >> 4, c8 = (idx & 15) * 8;
-      int64_t const off = i < rw ? (t0 + i) * p.qk_tok_stride + c8 : 0;
-      cp_async16(&sm.u1.raw.q[i][c8], qg + off, i < rw);
-      cp_async16(&sm.u1.raw.k[i][c8], kg + off, i < rw);
+    if constexpr (kPrepTiles) {
+      int64_t const t0 = bos + int64_t(c) * kC;
+      int const rw = chunk_rows(c);
+      for (int idx = tid; idx < kC * (kK / 8); idx += kThreads) {
+        int const i = idx >> 4, c8 = (idx & 15) * 8;
+        int64_t const off = i < rw ? (t0 + i) * p.qk_tok_stride + c8 : 0;
+        cp_async16(&sm.u1.raw.q[i][c8], qg + off, i < rw);
+        cp_async16(&sm.u1.raw.k[i][c8], kg + off, i < rw);
+      }
     }
   };
   auto issue_g = [&](int c) {
-    int64_t const t0 = bos + int64_t(c) * kC;
-    int const rw = chunk_rows(c);
-    for (int idx = tid; idx < kC * (kK / 8); idx += kThreads) {
-      int const i = idx >> 4, c8 = (idx & 15) * 8;
-      int64_t const off = i < rw ? (t0 + i) * p.g_tok_stride + c8 : 0;
-      cp_async16(&sm.u3.graw[i][c8], gg + off, i < rw);
+    if constexpr (kPrepTiles) {
+      int64_t const t0 = bos + int64_t(c) * kC;
+      int const rw = chunk_rows(c);
+      for (int idx = tid; idx < kC * (kK / 8); idx += kThreads) {
+        int const i = idx >> 4, c8 = (idx & 15) * 8;
+        int64_t const off = i < rw ? (t0 + i) * p.g_tok_stride + c8 : 0;
+        cp_async16(&sm.u3.graw[i][c8], gg + off, i < rw);
+      }
     }
   };
   constexpr int kVLoads = kC * (kBV / 8) / kThreads;  // 16-byte v loads per thread and chunk
@@ -764,7 +808,9 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
         for (int j = 0; j < 8; ++j) sm.vT[c8 + j][i] = e[j];
       }
     }
-    if (kPass != kKdaState && tid < kC) sm.beta[tid] = bv;
+    if constexpr (kPass != kKdaState) {
+      if (tid < kC) sm.beta[tid] = bv;
+    }
   };
 
   // ---- records (kPrep writes them, kState reads them): byte b of a record lives in the shared-memory tile at
@@ -1445,8 +1491,10 @@ __global__ void __launch_bounds__(kThreads, 2) kda_prep_kernel(__grid_constant__
 }
 
 // Kernel 2: phases 7-8 of a segment (or a whole sequence) per CTA (n, unit, hv, V block) from the records.
+// StateStorage: two CTAs per SM at 64 columns (128 registers a thread at most).
 template <int kBV>
-__global__ void __launch_bounds__(kThreads, 1) kda_state_kernel(__grid_constant__ KdaFwdParams const p) {
+__global__ void __launch_bounds__(kThreads, kBV == 64 ? 2 : 1)
+    kda_state_kernel(__grid_constant__ KdaFwdParams const p) {
   kda_fwd_body<GateForm::SigmoidLB, false, kBV, true, kKdaState>(p);
 }
 

@@ -206,6 +206,8 @@ PREP_CTAS_PER_SM = 2                # PrepStorage: 109 KB of shared memory, 128 
 PREP_US_PER_CHUNK = (11.0, 13.2)    # phases 1-6 alone: 20.6K cycles + ~1K of record stores; x 1.2 with two CTAs
                                     # sharing the SM (docs/kda_sm90.md section 2's estimate for co-resident CTAs)
 STATE_US_PER_CHUNK = {64: 2.5, 128: 3.6}   # phases 7-8 + the v store: 4.3K / 6.6K cycles + record waits
+STATE_CTAS_PER_SM = {64: 2, 128: 1}        # StateStorage: 97 / 129 KB of shared memory
+STATE_SHARED = 1.2                         # a CTA's time per chunk with a second one on its SM
 MAPS_US_PER_CHUNK = 2.0             # block_v 128 without O: V' and the state update
 COMBINE_US = (4.0, 2.0)             # the combine kernel: fixed, and per serial segment step (262K FMA per CTA)
 LAUNCH_US = 3.0                     # each launch after the first (graph replay)
@@ -236,13 +238,15 @@ def two_kernel_plan(lens: list[int], HV: int, sms: int, segments: int | None = N
         if P > 1 and (seg == 0 or -(-maxc // seg) < P):
             continue  # fewer non-empty segments than P: a smaller P does the same
         for bv in ([block_v] if block_v else (64, 128)):
+            state = (STATE_US_PER_CHUNK[bv] * (STATE_SHARED if STATE_CTAS_PER_SM[bv] > 1 else 1.0),
+                     STATE_CTAS_PER_SM[bv], STATE_US_PER_CHUNK[bv])
             if P == 1:
-                t = _pass_us(chunks, HV * (HEAD_DIM // bv), sms, STATE_US_PER_CHUNK[bv])
+                t = _pass_us(chunks, HV * (HEAD_DIM // bv), sms, *state)
             else:
                 parts = [min(seg, c - seg * s) for c in chunks for s in range(-(-c // seg))]
                 maps = [min(seg, c - seg * s) for c in chunks for s in range(min(P - 1, -(-c // seg)))]
                 t = (_pass_us(maps, HV * 2, sms, MAPS_US_PER_CHUNK) + COMBINE_US[0] + COMBINE_US[1] * (P - 2)
-                     + _pass_us(parts, HV * (HEAD_DIM // bv), sms, STATE_US_PER_CHUNK[bv]) + 2 * LAUNCH_US)
+                     + _pass_us(parts, HV * (HEAD_DIM // bv), sms, *state) + 2 * LAUNCH_US)
             plan = TwoKernelPlan(P, seg, bv, prep_units, prep + LAUNCH_US + t)
             if best is None or plan.us < best.us:
                 best = plan
