@@ -225,15 +225,23 @@ class TwoKernelPlan:
 
 def two_kernel_plan(lens: list[int], HV: int, sms: int, segments: int | None = None,
                     block_v: int | None = None) -> TwoKernelPlan:
-    """The cheapest (segments, block_v) of the two-kernel form for these lengths (pure); `segments` / `block_v`
-    force them."""
+    """The cheapest (segments, block_v) of the two-kernel form for these lengths (pure, memoized per lengths);
+    `segments` / `block_v` force them. Splits are considered only for grids of fewer (sequence, value head) pairs
+    than SMs: a grid that fills the GPU gains nothing from them, and the search stays small on the routing path."""
+    return _two_kernel_plan(tuple(lens), HV, sms, segments, block_v)
+
+
+@functools.lru_cache(maxsize=256)
+def _two_kernel_plan(lens: tuple[int, ...], HV: int, sms: int, segments: int | None,
+                     block_v: int | None) -> TwoKernelPlan:
     chunks = [-(-L // CHUNK) for L in lens]
     maxc = max(chunks, default=0)
     prep_units = max(1, -(-maxc // PREP_CHUNKS))
     blocks = [min(PREP_CHUNKS, c - PREP_CHUNKS * u) for c in chunks for u in range(-(-c // PREP_CHUNKS))]
     prep = _pass_us(blocks, HV, sms, PREP_US_PER_CHUNK[1], PREP_CTAS_PER_SM, PREP_US_PER_CHUNK[0])
     best = None
-    for P in ([segments] if segments else range(1, MAX_SEGMENTS + 1)):
+    search = range(1, MAX_SEGMENTS + 1) if len(lens) * HV < sms else (1,)
+    for P in ([segments] if segments else search):
         seg = -(-maxc // P) if P > 1 else 0
         if P > 1 and (seg == 0 or -(-maxc // seg) < P):
             continue  # fewer non-empty segments than P: a smaller P does the same
