@@ -195,7 +195,7 @@ def predicted_us(lens: list[int], HV: int, sms: int) -> tuple[float, float]:
 # (phases 1-6, 75% of a fused chunk) chunk-parallel and writes each chunk's operand tiles to a record; kernel 2 runs
 # the state phases from the records, over whole sequences or, split, over P segments: pass 1 (maps) gives each
 # segment's end state from a zero start and its transition map (the same recurrence on v = 0 from the identity),
-# the host combines them in order (fp64), pass 2 runs every segment from its true start state and writes o.
+# the combine kernel chains them in order, pass 2 runs every segment from its true start state and writes o.
 # The per-chunk costs below are predictions from the measured phases of the fused kernel (v2.2, cycles per chunk at
 # 1.98 GHz), not yet measured in this form; TWO_KERNEL_VERIFIED stays False until it has run on the H200, and
 # until then only set_tuning(two_kernel=True) (tests, benchmarks) takes it.
