@@ -702,28 +702,23 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   // Loads of chunk c (rows >= its length zero): q, k rows -> u1.raw and g rows -> u3.graw by cp.async
   // (waited for at the barrier that ends the previous chunk); v and beta through registers (vv, bv),
   // stored to vT / beta by store_vb. kPrep reads no v, kState no q, k, g, beta (its records hold what they give).
-  auto issue_qk = [&](int c) {
-    if constexpr (kPrepTiles) {
-      int64_t const t0 = bos + int64_t(c) * kC;
-      int const rw = chunk_rows(c);
-      for (int idx = tid; idx < kC * (kK / 8); idx += kThreads) {
-        int const i = idx >> 4, c8 = (idx & 15) * 8;
-        int64_t const off = i < rw ? (t0 + i) * p.qk_tok_stride + c8 : 0;
-        cp_async16(&sm.u1.raw.q[i][c8], qg + off, i < rw);
-        cp_async16(&sm.u1.raw.k[i][c8], kg + off, i < rw);
-      }
+  // rows of chunk c (128 channels, 16-byte copies) from src (token stride ld) to dst, and to dst2 from src2 when given
+  auto issue_rows = [&](int c, bf16 (&dst)[kC][kLdK], bf16 const* src, bf16 (*dst2)[kLdK], bf16 const* src2,
+                        int64_t ld) {
+    int64_t const t0 = bos + int64_t(c) * kC;
+    int const rw = chunk_rows(c);
+    for (int idx = tid; idx < kC * (kK / 8); idx += kThreads) {
+      int const i = idx >> 4, c8 = (idx & 15) * 8;
+      int64_t const off = i < rw ? (t0 + i) * ld + c8 : 0;
+      cp_async16(&dst[i][c8], src + off, i < rw);
+      if (dst2 != nullptr) cp_async16(&dst2[i][c8], src2 + off, i < rw);
     }
   };
+  auto issue_qk = [&](int c) {
+    if constexpr (kPrepTiles) issue_rows(c, sm.u1.raw.q, qg, sm.u1.raw.k, kg, p.qk_tok_stride);
+  };
   auto issue_g = [&](int c) {
-    if constexpr (kPrepTiles) {
-      int64_t const t0 = bos + int64_t(c) * kC;
-      int const rw = chunk_rows(c);
-      for (int idx = tid; idx < kC * (kK / 8); idx += kThreads) {
-        int const i = idx >> 4, c8 = (idx & 15) * 8;
-        int64_t const off = i < rw ? (t0 + i) * p.g_tok_stride + c8 : 0;
-        cp_async16(&sm.u3.graw[i][c8], gg + off, i < rw);
-      }
-    }
+    if constexpr (kPrepTiles) issue_rows(c, sm.u3.graw, gg, nullptr, nullptr, p.g_tok_stride);
   };
   constexpr int kVLoads = kC * (kBV / 8) / kThreads;  // 16-byte v loads per thread and chunk
   uint4 vv[kVLoads];
