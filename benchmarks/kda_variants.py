@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default=None, help="JSON list of [B, T, H] (default: six rows, small grids first)")
     p.add_argument("--regime", choices=("random", "slow"), default="random")
     p.add_argument("--rounds", type=int, default=3, help="timing rounds over all builds (median reported)")
+    p.add_argument("--profile", action="store_true",
+                   help="also run each two-kernel variant's prep and last pass instrumented (phase_cycles) and print "
+                        "their cycles per chunk per CTA by phase")
     args = p.parse_args(argv)
     variants = json.loads(args.variants)
     rows = [tuple(r) for r in json.loads(args.rows)] if args.rows else ROWS
@@ -62,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         fla = functools.partial(fla_chunk_kda, x["q"], x["k"], x["v"], x["g"], x["beta"], scale=cfg.scale,
                                 initial_state=x["initial_state"], output_final_state=True,
                                 use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=x["A_log"],
-                                dt_bias=x["dt_bias"], safe_gate=True, lower_bound=-5.0, state_v_first=True)
+                                dt_bias=x["dt_bias"], safe_gate=True, lower_bound=-5.0, state_v_first=True,
+                                use_beta_sigmoid_in_kernel=cfg.use_beta_sigmoid_in_kernel)
 
         with torch.inference_mode():
             o_fla, ht_fla = fla()
@@ -70,25 +74,32 @@ def main(argv: list[str] | None = None) -> int:
             for name, knobs in variants.items():
                 kp.set_tuning(**knobs)
                 try:
-                    o, ht = kp.run(*kargs)
+                    r = kp.run(*kargs)
+                    o, ht = r.o, r.final_state
                     ok[name] = rel_rms(o_fla.float(), o.float()) < 0.01 and rel_rms(ht_fla, ht) < 0.01
                     graphs[name] = capture_graph(functools.partial(kp.run, *kargs))
                     if knobs.get("two_kernel"):
-                        passes[name] = _pass_graphs(kp, kargs, B, T, H, sms, knobs, capture_graph)
+                        passes[name] = _pass_graphs(kp, kargs, B, T, H, sms, knobs, capture_graph, args.profile)
                 finally:
                     kp.set_tuning()
             row = variant_row(graphs, args.rounds, ok)
         print(f"{B:>3} {T:>6} {H:>3} {row}", flush=True)
-        for name, (plan, pgraphs) in passes.items():
-            parts = ", ".join(f"{pn} {triton.testing.do_bench(g.replay, warmup=25, rep=100):.3f}"
-                              for pn, g in pgraphs)
-            print(f"      {name}: P={plan.segments} seg {plan.seg_chunks} block_v {plan.block_v}: {parts} ms "
+        for name, (plan, pgraphs, prof) in passes.items():
+            parts = []
+            for pn, g in pgraphs:
+                parts.append(f"{pn} {triton.testing.do_bench(g.replay, warmup=25, rep=100):.3f}")
+            print(f"      {name}: P={plan.segments} seg {plan.seg_chunks} block_v {plan.block_v}: {', '.join(parts)} ms "
                   f"(model {plan.us / 1e3:.3f} ms in all)", flush=True)
+            for pn, phases in prof.items():
+                print(f"        {pn} cycles per chunk per CTA: " +
+                      ", ".join(f"{ph} {c:.0f}" for ph, c in phases.items() if c) +
+                      f"; sum {sum(phases.values()):.0f}", flush=True)
     return 0
 
 
-def _pass_graphs(kp, kargs, B, T, H, sms, knobs, capture_graph):
-    """The two-kernel form's passes of this call, each captured alone on buffers a full run has filled."""
+def _pass_graphs(kp, kargs, B, T, H, sms, knobs, capture_graph, profile=False):
+    """The two-kernel form's passes of this call, each captured alone on buffers a full run has filled; with
+    `profile`, the prep and the last pass run once more instrumented: name -> {phase: cycles per chunk per CTA}."""
     q = kargs[0]
     lens = [T] * B
     plan = kp.two_kernel_plan(lens, H, sms, knobs.get("segments"), knobs.get("block_v"))
@@ -108,7 +119,17 @@ def _pass_graphs(kp, kargs, B, T, H, sms, knobs, capture_graph):
     if plan.segments > 1:
         seg_H, seg_M = calls[1]["seg_H"].clone(), calls[1]["seg_M"]
         out.insert(2, ("combine", capture_graph(lambda: kp._C.kda_combine(seg_H, seg_M))))
-    return plan, out
+    prof = {}
+    if profile:
+        chunks = B * ((T + kp.CHUNK - 1) // kp.CHUNK)
+        for pn, kw in (("prep", calls[0]), ("pass 2", calls[-1])):
+            ctas = B * H * kw["units"] * (1 if kw["pass_kind"] == 1 else 128 // kw["block_v"])
+            cycles = torch.zeros(ctas, kp._C.KDA_FWD_PHASES, dtype=torch.int64, device=q.device)
+            launch(**kw, phase_cycles=cycles)
+            per_cta_chunks = chunks * H * (1 if kw["pass_kind"] == 1 else 128 // kw["block_v"])
+            total = cycles.cpu().to(torch.float64).sum(0) / per_cta_chunks
+            prof[pn] = dict(zip(kp._C.KDA_FWD_PHASE_NAMES, total.tolist(), strict=True))
+    return plan, out, prof
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ REQUIRED_SASS: dict[str, list[str]] = {
     # kernel (wgmma products, cp.async record loads)
     r"kda_prep_kernel": ["HMMA", "HGMMA", "LDGSTS"],
     r"kda_state_kernel": ["HGMMA", "LDGSTS"],
-    r"kda_combine_kernel": [],  # the split's combine: fp32 FMAs on CUDA cores
+    r"kda_combine_kernel": ["LDGSTS"],  # the split's combine: fp32 FMAs on CUDA cores, the maps by cp.async
 }
 ARCH = "sm_90a"
 

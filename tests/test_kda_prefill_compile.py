@@ -20,6 +20,7 @@
 import functools
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -463,7 +464,7 @@ def test_sass_hmma_no_spills():
     names = _ext.demangle(list(sass))
     kda = [s for s in sass if "kda_fwd_kernel" in names[s] or "kda_prep_kernel" in names[s]
            or "kda_state_kernel" in names[s]]
-    assert len(kda) == 11, sorted(names.values())   # csrc/kda_sm90/kda_fwd.h kKdaFwdSpecializations
+    assert len(kda) == 14, sorted(names.values())   # csrc/kda_sm90/kda_fwd.h kKdaFwdSpecializations
     for s in kda:
         arch, ops = sass[s]
         assert arch == "sm_90a"
@@ -474,7 +475,9 @@ def test_sass_hmma_no_spills():
         assert any(op.startswith("LDGSTS") for op in ops), sorted(ops)    # cp.async prefetch
         r = usage[s]
         print(f"\n{names[s][:90]}: {r['registers']} regs, stack {r['stack']}, local {r['local']}")
-        assert r["stack"] == 0 and r["local"] == 0, r
+        # the instrumented prep (a measuring build at the 128-register cap) may keep its clock mark on the stack
+        stack_cap = 16 if re.search(r"kda_prep_kernel<.*, true>", names[s]) else 0
+        assert r["stack"] <= stack_cap and r["local"] == 0, r
     assert os.path.exists(mod.__file__)
 
 

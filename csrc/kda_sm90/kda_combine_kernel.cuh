@@ -2,54 +2,86 @@
 // every segment boundary: for s = 1 .. P - 2, in order,
 //   seg_H[s] <- seg_M[s - 1] seg_H[s - 1] + seg_H[s]      (128 x 128 fp32 per (sequence, value head), K-major)
 // so that seg_H[s] becomes the state at the end of segment s. CTA = (sequence x value head, block of 16 state
-// columns): the columns are independent. The running 128 x 16 block lives in shared memory; thread = (row d, 8
-// columns) sums its products over e = 0 .. 127 in order with fp32 FMAs (M's rows come from L2: the 8 column blocks
-// of a pair read the same M), then adds H. Plain CUDA cores: 262K FMA per CTA and boundary.
+// columns): the columns are independent. The running 128 x 16 block X lives in shared memory; thread t owns rows
+// r = t / 4 and r + 64 and columns 4 (t % 4) .. + 3 of it, and sums its products over e = 0 .. 127 in order with
+// fp32 FMAs, then adds H. The maps do not depend on the chain, so M_s is copied to shared memory (cp.async, two
+// buffers) while step s runs on M_{s-1}: the steps wait on shared memory, not on L2. Plain CUDA cores: 262K FMA per
+// CTA and boundary.
 #pragma once
 
 #include <cstdint>
 
+#include "kda_sm90/cp_async.cuh"
+
 namespace fla_cula::kda_sm90 {
 
 constexpr int kCombineThreads = 256;
-constexpr int kCombineCols = 16;  // state columns per CTA
-constexpr int kCombineSmemBytes = 128 * kCombineCols * 4;  // the running block, fp32 (dynamic shared memory)
+constexpr int kCombineCols = 16;        // state columns per CTA
+constexpr int kCombineMStride = 132;    // floats per M row in shared memory: 4 consecutive rows hit 4 bank groups
+constexpr int kCombineSmemBytes = (128 * kCombineCols + 2 * 128 * kCombineMStride) * 4;  // X + two M buffers
 
 __global__ void __launch_bounds__(kCombineThreads) kda_combine_kernel(float* seg_H, float const* seg_M, int slots,
                                                                       int64_t pairs) {
   constexpr int kD = 128;
   int64_t const pair = blockIdx.x / (kD / kCombineCols);
   int const col0 = (blockIdx.x % (kD / kCombineCols)) * kCombineCols;
-  int const tid = threadIdx.x, d = tid >> 1, c0 = (tid & 1) * 8;
+  int const tid = threadIdx.x, r = tid >> 2, c = (tid & 3) * 4;
   int64_t const slot_stride = pairs * kD * kD;
   extern __shared__ __align__(1024) unsigned char smem_raw[];  // kCombineSmemBytes
   float (&X)[kD][kCombineCols] = *reinterpret_cast<float (*)[kD][kCombineCols]>(smem_raw);
+  float* const Mb = reinterpret_cast<float*>(smem_raw) + kD * kCombineCols;  // [2][kD][kCombineMStride]
+
+  // seg_M[m] of this pair -> buffer m & 1 (one commit group)
+  auto issue_m = [&](int m) {
+    float const* const src = seg_M + m * slot_stride + pair * kD * kD;
+    float* const dst = Mb + (m & 1) * kD * kCombineMStride;
+    for (int i = tid; i < kD * kD / 4; i += kCombineThreads) {
+      cp_async16(dst + (i >> 5) * kCombineMStride + (i & 31) * 4, src + 4 * i, true);
+    }
+    cp_async_commit();
+  };
+  if (slots > 1) issue_m(0);
   float* const h0 = seg_H + pair * kD * kD + col0;
   for (int i = tid; i < kD * kCombineCols; i += kCombineThreads) {
     X[i / kCombineCols][i % kCombineCols] = h0[(i / kCombineCols) * kD + i % kCombineCols];
   }
-  __syncthreads();
   for (int s = 1; s < slots; ++s) {
-    float const* const m = seg_M + (s - 1) * slot_stride + pair * kD * kD + int64_t(d) * kD;
-    float* const h = seg_H + s * slot_stride + pair * kD * kD + int64_t(d) * kD + col0 + c0;
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (s + 1 < slots) {
+      issue_m(s);  // buffer s & 1: last read in step s - 1, before its closing barrier
+      cp_async_wait_group<1>();
+    } else {
+      cp_async_wait_group<0>();
+    }
+    float* const h = seg_H + s * slot_stride + pair * kD * kD + col0 + c;
+    float4 const h_lo = *reinterpret_cast<float4 const*>(h + int64_t(r) * kD);  // in flight during the products
+    float4 const h_hi = *reinterpret_cast<float4 const*>(h + int64_t(r + 64) * kD);
+    __syncthreads();  // M_{s-1} and the block X of step s - 1 are in shared memory
+    float const* const m_lo = Mb + ((s - 1) & 1) * kD * kCombineMStride + r * kCombineMStride;
+    float const* const m_hi = m_lo + 64 * kCombineMStride;
+    float lo[4] = {0.f, 0.f, 0.f, 0.f}, hi[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
     for (int e = 0; e < kD; e += 4) {
-      float4 const mv = *reinterpret_cast<float4 const*>(m + e);
-      float const me[4] = {mv.x, mv.y, mv.z, mv.w};
+      float4 const a = *reinterpret_cast<float4 const*>(m_lo + e);
+      float4 const b = *reinterpret_cast<float4 const*>(m_hi + e);
+      float const ae[4] = {a.x, a.y, a.z, a.w}, be[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
+        float4 const x = *reinterpret_cast<float4 const*>(&X[e + k][c]);
+        float const xe[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
-        for (int j = 0; j < 8; ++j) acc[j] = fmaf(me[k], X[e + k][c0 + j], acc[j]);
+        for (int j = 0; j < 4; ++j) {
+          lo[j] = fmaf(ae[k], xe[j], lo[j]);
+          hi[j] = fmaf(be[k], xe[j], hi[j]);
+        }
       }
     }
-    __syncthreads();  // every read of the previous block is done
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      float const v = acc[j] + h[j];
-      X[d][c0 + j] = v;
-      h[j] = v;
-    }
-    __syncthreads();
+    __syncthreads();  // every read of X (and of this M buffer) is done
+    float4 const out_lo = make_float4(lo[0] + h_lo.x, lo[1] + h_lo.y, lo[2] + h_lo.z, lo[3] + h_lo.w);
+    float4 const out_hi = make_float4(hi[0] + h_hi.x, hi[1] + h_hi.y, hi[2] + h_hi.z, hi[3] + h_hi.w);
+    *reinterpret_cast<float4*>(&X[r][c]) = out_lo;
+    *reinterpret_cast<float4*>(&X[r + 64][c]) = out_hi;
+    *reinterpret_cast<float4*>(h + int64_t(r) * kD) = out_lo;
+    *reinterpret_cast<float4*>(h + int64_t(r + 64) * kD) = out_hi;
   }
 }
 

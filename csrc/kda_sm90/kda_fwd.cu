@@ -1,6 +1,7 @@
 // Launcher of the KDA prefill forward: size checks, device, shared-memory opt-in, launch. Instantiations: the fused
 // kernel with the bounded sigmoid gate, 64 or 128 V columns per CTA, mma.sync or wgmma, without and with the
-// phase_cycles instrumentation; the two-kernel form's prep kernel and its state kernel at 64 and 128 columns.
+// phase_cycles instrumentation; the two-kernel form's prep kernel and its state kernel at 64 and 128 columns, each
+// also with the instrumentation.
 #include "kda_sm90/kda_fwd.h"
 
 #include <cuda_runtime_api.h>
@@ -59,8 +60,11 @@ KdaFwdSpecialization const kKdaFwdSpecialization[kKdaFwdSpecializations] = {
     {"sigmoid_lb", false, kda_sm90::kThreads, 128, true, kKdaFused, kda_sm90::kSmemBytes<128, true>},
     {"sigmoid_lb", true, kda_sm90::kThreads, 128, true, kKdaFused, kda_sm90::kSmemBytes<128, true>},
     {"sigmoid_lb", false, kda_sm90::kThreads, 0, true, kKdaPrep, kda_sm90::kPrepSmemBytes},
+    {"sigmoid_lb", true, kda_sm90::kThreads, 0, true, kKdaPrep, kda_sm90::kPrepSmemBytes},
     {"none", false, kda_sm90::kThreads, 64, true, kKdaState, kda_sm90::kStateSmemBytes<64>},
+    {"none", true, kda_sm90::kThreads, 64, true, kKdaState, kda_sm90::kStateSmemBytes<64>},
     {"none", false, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateSmemBytes<128>},
+    {"none", true, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateSmemBytes<128>},
 };
 
 void run_kda_fwd(KdaFwdParams const& a) {
@@ -74,8 +78,8 @@ void run_kda_fwd(KdaFwdParams const& a) {
                    "kda_fwd: expected block_v 64 or 128, got " + std::to_string(a.block_v));
   FLA_CULA_REQUIRE(a.pass == kKdaFused || a.pass == kKdaPrep || a.pass == kKdaState,
                    "kda_fwd: expected pass 0 (fused), 1 (prep) or 2 (state), got " + std::to_string(a.pass));
-  FLA_CULA_REQUIRE(a.pass == kKdaFused || (a.wgmma && a.rec != nullptr && a.units >= 1 && a.phase_cycles == nullptr),
-                   "kda_fwd: the prep / state passes need wgmma, records and units >= 1, and have no phase timer");
+  FLA_CULA_REQUIRE(a.pass == kKdaFused || (a.wgmma && a.rec != nullptr && a.units >= 1),
+                   "kda_fwd: the prep / state passes need wgmma, records and units >= 1");
   int64_t const ctas = pass_ctas(a);
   FLA_CULA_REQUIRE(ctas < (int64_t(1) << 31), "kda_fwd: too many CTAs: " + std::to_string(ctas));
   FLA_CULA_REQUIRE(a.q && a.k && a.v && a.g && a.beta && (a.o || a.pass == kKdaPrep || a.maps),
@@ -84,19 +88,21 @@ void run_kda_fwd(KdaFwdParams const& a) {
   DeviceGuard guard(a.device);
   require_compute_capability(a.device, 9, 0, "kda_fwd");
   constexpr auto kG = kda_sm90::GateForm::SigmoidLB;
-  if (a.pass == kKdaPrep) {
-    launch<kda_sm90::kda_prep_kernel<kG>, kda_sm90::kPrepSmemBytes>(a, ctas, "kda_prep_kernel");
-    return;
-  }
-  if (a.pass == kKdaState) {
-    if (a.block_v == 128) {
-      launch<kda_sm90::kda_state_kernel<128>, kda_sm90::kStateSmemBytes<128>>(a, ctas, "kda_state_kernel");
-    } else {
-      launch<kda_sm90::kda_state_kernel<64>, kda_sm90::kStateSmemBytes<64>>(a, ctas, "kda_state_kernel");
-    }
-    return;
-  }
   FLA_CULA_BOOL_SWITCH(a.phase_cycles != nullptr, kProfile, [&] {
+    if (a.pass == kKdaPrep) {
+      launch<kda_sm90::kda_prep_kernel<kG, kProfile>, kda_sm90::kPrepSmemBytes>(a, ctas, "kda_prep_kernel");
+      return;
+    }
+    if (a.pass == kKdaState) {
+      if (a.block_v == 128) {
+        launch<kda_sm90::kda_state_kernel<128, kProfile>, kda_sm90::kStateSmemBytes<128>>(a, ctas,
+                                                                                          "kda_state_kernel");
+      } else {
+        launch<kda_sm90::kda_state_kernel<64, kProfile>, kda_sm90::kStateSmemBytes<64>>(a, ctas,
+                                                                                        "kda_state_kernel");
+      }
+      return;
+    }
     FLA_CULA_BOOL_SWITCH(a.wgmma, kWgmma, [&] {
       if (a.block_v == 128) {
         launch_fused<kG, kProfile, 128, kWgmma>(a, ctas);

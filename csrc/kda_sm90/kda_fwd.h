@@ -111,7 +111,7 @@ struct KdaFwdSpecialization {
   int pass;          // KdaPass: the fused kernel, the prep kernel (block_v 0: no state) or the state kernel
   int smem_bytes;    // dynamic shared memory per CTA
 };
-constexpr int kKdaFwdSpecializations = 11;
+constexpr int kKdaFwdSpecializations = 14;
 
 // Phases of a chunk timed by phase_cycles, in order: gate + block scan, scan offsets + anchors + rstd,
 // anchored factors (+ block scalars), Aqk+L,

@@ -164,9 +164,6 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
     if (!wgmma) {
       throw py::value_error("wgmma: expected True with pass " + std::to_string(pass) + " (wgmma tile records)");
     }
-    if (!phase_cycles_obj.is_none()) {
-      throw py::value_error("phase_cycles: expected None with pass " + std::to_string(pass));
-    }
     if (units < 1) throw py::value_error("units: expected >= 1, got " + std::to_string(units));
     if (chunks_per_cta < 0 || (chunks_per_cta == 0 && units != 1)) {
       throw py::value_error("chunks_per_cta: expected > 0, or 0 (whole sequences) with units = 1, got " +
@@ -258,8 +255,10 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
   p.maps = maps;
   if (!phase_cycles_obj.is_none()) {
     TensorArg pc = tensor_arg(phase_cycles_obj, "phase_cycles");
-    expect_tensor(pc, {dtype::kInt64}, {N * HV * (kHeadDim / block_v), kKdaFwdPhases},
-                  "(N * HV * 128 / block_v, phases)", &q);
+    // one row per CTA: fused N * HV * 128 / block_v, prep N * HV * units, state N * HV * 128 / block_v * units
+    int64_t const rows = pass == kKdaPrep ? int64_t(N) * HV * units
+                                          : int64_t(N) * HV * (kHeadDim / block_v) * (pass == kKdaState ? units : 1);
+    expect_tensor(pc, {dtype::kInt64}, {rows, kKdaFwdPhases}, "(CTAs of the pass, phases)", &q);
     p.phase_cycles = pc.ptr<long long>();
   }
   if (!(lower_bound >= -5.0 && lower_bound < 0.0)) {
@@ -357,7 +356,7 @@ void register_kda_fwd(py::module_& m) {
         "(sequence, value head), 64 twice but fills more SMs).\n"
         "wgmma: the state-side products (-W, V', O, the state update) on SM90 warpgroup MMA instead of\n"
         "mma.sync (same math; fp32 accumulation order inside the tensor core may differ).\n"
-        "phase_cycles (int64 [N*HV*128/block_v, KDA_FWD_PHASES] or None): per CTA, clock64 cycles of each phase\n"
+        "phase_cycles (int64 [CTAs of the pass, KDA_FWD_PHASES] or None): per CTA, clock64 cycles of each phase\n"
         "summed over its chunks (KDA_FWD_PHASE_NAMES).\n"
         "pass_kind 1 / 2: the two-kernel form (wgmma only). 1 (prep): chunks_per_cta chunks per CTA, units CTAs per\n"
         "(sequence, value head), writes rec (uint8 [HV, >= B*T/64 + N, KDA_REC_BYTES]) and Aqk/Akk when given; o and\n"

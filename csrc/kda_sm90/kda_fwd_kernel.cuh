@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kda_sm90/cp_async.cuh"
 #include "kda_sm90/kda_fwd.h"
 #ifndef FLA_CULA_KDA_HOST_EMULATION
 #include <cute/arch/mma_sm90_gmma.hpp>
@@ -375,41 +376,6 @@ __device__ __forceinline__ void stmatrix_x4_trans(bf16* row, uint32_t r0, uint32
   asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(s), "r"(r0), "r"(r1),
                "r"(r2), "r"(r3)
                : "memory");
-#endif
-}
-
-// 16-byte global -> shared copy, zero-filled when !valid (no bytes read then). Completed by cp_async_wait_all.
-__device__ __forceinline__ void cp_async16(void* smem, void const* gmem, bool valid) {
-#ifdef FLA_CULA_KDA_HOST_EMULATION
-  if (valid) {
-    *static_cast<uint4*>(smem) = *static_cast<uint4 const*>(gmem);
-  } else {
-    *static_cast<uint4*>(smem) = make_uint4(0, 0, 0, 0);
-  }
-#else
-  unsigned const s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
-#endif
-}
-
-__device__ __forceinline__ void cp_async_wait_all() {
-#ifndef FLA_CULA_KDA_HOST_EMULATION
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
-#endif
-}
-
-// The copies this thread issued since its last commit become one group.
-__device__ __forceinline__ void cp_async_commit() {
-#ifndef FLA_CULA_KDA_HOST_EMULATION
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-#endif
-}
-
-// Wait until at most N of this thread's committed groups are pending (groups complete in commit order).
-template <int N>
-__device__ __forceinline__ void cp_async_wait_group() {
-#ifndef FLA_CULA_KDA_HOST_EMULATION
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 #endif
 }
 
@@ -1480,17 +1446,17 @@ __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(__grid_constant__ 
 
 // The two-kernel form, kernel 1: phases 1-6 of chunks_per_cta chunks per CTA (n, hv, chunk block), chunk-parallel;
 // each chunk's operand tiles to its record. PrepStorage: two CTAs per SM (128 registers a thread at most).
-template <GateForm kGate>
+template <GateForm kGate, bool kProfile = false>
 __global__ void __launch_bounds__(kThreads, 2) kda_prep_kernel(__grid_constant__ KdaFwdParams const p) {
-  kda_fwd_body<kGate, false, 64, true, kKdaPrep>(p);
+  kda_fwd_body<kGate, kProfile, 64, true, kKdaPrep>(p);
 }
 
 // Kernel 2: phases 7-8 of a segment (or a whole sequence) per CTA (n, unit, hv, V block) from the records.
 // StateStorage: two CTAs per SM at 64 columns (128 registers a thread at most).
-template <int kBV>
+template <int kBV, bool kProfile = false>
 __global__ void __launch_bounds__(kThreads, kBV == 64 ? 2 : 1)
     kda_state_kernel(__grid_constant__ KdaFwdParams const p) {
-  kda_fwd_body<GateForm::SigmoidLB, false, kBV, true, kKdaState>(p);
+  kda_fwd_body<GateForm::SigmoidLB, kProfile, kBV, true, kKdaState>(p);
 }
 
 }  // namespace fla_cula::kda_sm90
