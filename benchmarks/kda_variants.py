@@ -84,9 +84,10 @@ def main(argv: list[str] | None = None) -> int:
                     kp.set_tuning()
             row = variant_row(graphs, args.rounds, ok)
         print(f"{B:>3} {T:>6} {H:>3} {row}", flush=True)
-        for name, (plan, pgraphs, prof) in passes.items():
+        for name, (plan, pgraphs, prof, _buffers) in passes.items():
             parts = []
             for pn, g in pgraphs:
+                print(f"      ({name}: timing {pn})", flush=True)
                 parts.append(f"{pn} {triton.testing.do_bench(g.replay, warmup=25, rep=100):.3f}")
             print(f"      {name}: P={plan.segments} seg {plan.seg_chunks} block_v {plan.block_v}: {', '.join(parts)} ms "
                   f"(model {plan.us / 1e3:.3f} ms in all)", flush=True)
@@ -115,21 +116,24 @@ def _pass_graphs(kp, kargs, B, T, H, sms, knobs, capture_graph, profile=False):
     kp.run_two_kernel(recording, B, H, kp.record_slots(B, T, B), q.device, plan, o, ht, None, None,
                       combine=kp._C.kda_combine)
     names = ["prep"] + (["maps"] if plan.segments > 1 else []) + ["pass 2"]
+    # The graphs replay into these buffers (records, segment states, o): `calls` (and the combine's copy of seg_H)
+    # go back with them, or the buffers would be freed and reused while the graphs still write them.
     out = [(n, capture_graph(lambda kw=kw: launch(**kw))) for n, kw in zip(names, calls, strict=True)]
     if plan.segments > 1:
         seg_H, seg_M = calls[1]["seg_H"].clone(), calls[1]["seg_M"]
         out.insert(2, ("combine", capture_graph(lambda: kp._C.kda_combine(seg_H, seg_M))))
+        calls.append({"seg_H": seg_H})
     prof = {}
     if profile:
         chunks = B * ((T + kp.CHUNK - 1) // kp.CHUNK)
-        for pn, kw in (("prep", calls[0]), ("pass 2", calls[-1])):
+        for pn, kw in (("prep", calls[0]), ("pass 2", calls[len(names) - 1])):
             ctas = B * H * kw["units"] * (1 if kw["pass_kind"] == 1 else 128 // kw["block_v"])
             cycles = torch.zeros(ctas, kp._C.KDA_FWD_PHASES, dtype=torch.int64, device=q.device)
             launch(**kw, phase_cycles=cycles)
             per_cta_chunks = chunks * H * (1 if kw["pass_kind"] == 1 else 128 // kw["block_v"])
             total = cycles.cpu().to(torch.float64).sum(0) / per_cta_chunks
             prof[pn] = dict(zip(kp._C.KDA_FWD_PHASE_NAMES, total.tolist(), strict=True))
-    return plan, out, prof
+    return plan, out, prof, calls
 
 
 if __name__ == "__main__":

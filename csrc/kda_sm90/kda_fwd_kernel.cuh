@@ -359,6 +359,11 @@ __device__ __forceinline__ void store_pair(bf16* p, float a, float b) {
   *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
 }
 
+// 16-byte global store of four packed words (p 16-byte aligned)
+__device__ __forceinline__ void st_global16(bf16* p, uint32_t const (&w)[4]) {
+  *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // (bf16(a), bf16(b)) packed, a in the low half
 __device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
   __nv_bfloat162 r = __floats2bfloat162_rn(a, b);
@@ -910,11 +915,15 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       // the copied tiles and (from the previous chunk / the prologue) sT, vT become visible to wgmma
       fence_async_shared();
       __syncthreads();
+      mark(9);  // the timer build: waits for records in phase 9, the products in 7 and 8
       float o_acc[kNO][4];
       phase7(o_acc);
+      if constexpr (kProfile) __syncthreads();
+      mark(7);
       cp_async_wait_group<0>();  // group B
       fence_async_shared();      // ... and V'^T
       __syncthreads();
+      mark(9);
       if (prefetch) {
         issue_record(chunk + 1, 0, rec_a_end);
         load_vb(chunk + 1);
@@ -922,6 +931,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       phase8(o_acc, tok0, rows);
       if (prefetch) store_vb();  // vT last read in phase 7 (barrier between)
       __syncthreads();
+      mark(8);
       if (prefetch) issue_record(chunk + 1, rec_b_begin, kKdaRecBytes);
     }
   } else {
@@ -1050,7 +1060,9 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       if constexpr (kPass == kKdaPrep) {
         // Thread = (16-row block r, channel pair d) of phase 2, G in its registers: every factor of its 16 x 2
         // elements, with the expressions of the fused kernel's phases 3 and 5a (same bits). Qe, Ke, Kf to shared
-        // memory; Qg and Kd^T straight to the record (sw128k / sw128 images, bf16 pairs); Kg^T kept until Ke is dead.
+        // memory; Qg and Kd^T straight to the record (sw128k / sw128 images); Kg^T kept until Ke is dead. A warp's
+        // Qg pairs fill one 128-byte row; Kd^T rows d, d + 1 go out as 16-byte units of 8 tokens (a unit of sw128
+        // stays contiguous), not as 4-byte pairs in 32 rows at once.
         int const r = tid >> 6, d = 2 * (tid & 63);
         unsigned char* const rc = record(chunk);
         bf16* const rec_qg = reinterpret_cast<bf16*>(rc + kRecQg);
@@ -1058,6 +1070,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
         float const a0 = float(sm.anc_a[r][d]), a1 = float(sm.anc_a[r][d + 1]);
         float const b0 = float(sm.anc_b[r][d]), b1 = float(sm.anc_b[r][d + 1]);
         float const h0x = sm.g63[d], h0y = sm.g63[d + 1];
+        uint32_t kd[2][4];  // Kd^T rows d, d + 1: the token pairs of one 8-token unit
 #pragma unroll
         for (int u = 0; u < kBC; u += 2) {
           int const i = kBC * r + u;
@@ -1078,8 +1091,12 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
           store_pair(rec_qg + sw128k<kC>(i + 1, d), q1.x * sq1 * e10, q1.y * sq1 * e11);
           kg[0][u / 2] = pack_bf16(k0.x * sk0 * e00, k1.x * sk1 * e10);
           kg[1][u / 2] = pack_bf16(k0.y * sk0 * e01, k1.y * sk1 * e11);
-          store_pair(rec_kdT + sw128(d, i), k0.x * sk0 * ex2(h0x - G0.x), k1.x * sk1 * ex2(h0x - G1.x));
-          store_pair(rec_kdT + sw128(d + 1, i), k0.y * sk0 * ex2(h0y - G0.y), k1.y * sk1 * ex2(h0y - G1.y));
+          kd[0][(u >> 1) & 3] = pack_bf16(k0.x * sk0 * ex2(h0x - G0.x), k1.x * sk1 * ex2(h0x - G1.x));
+          kd[1][(u >> 1) & 3] = pack_bf16(k0.y * sk0 * ex2(h0y - G0.y), k1.y * sk1 * ex2(h0y - G1.y));
+          if ((u & 7) == 6) {  // tokens kBC r + (u & 8) .. + 7 of rows d, d + 1
+            st_global16(rec_kdT + sw128(d, kBC * r + (u & 8)), kd[0]);
+            st_global16(rec_kdT + sw128(d + 1, kBC * r + (u & 8)), kd[1]);
+          }
         }
       } else {
         for (int idx = tid; idx < kC * (kK / 2); idx += kThreads) {
@@ -1137,15 +1154,26 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
         }
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
+          if constexpr (kPass == kKdaPrep) {
+            if (!is_l) {  // Aqk to the record (and FLA's Aqk) as bf16 pairs (j, j + 1)
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                int const i = 16 * r + g8 + 8 * h, j = 16 * s + nt * 8 + 2 * t4;
+                __nv_bfloat162 const a = __floats2bfloat162_rn(j <= i ? acc[nt][2 * h] : 0.f,
+                                                                j + 1 <= i ? acc[nt][2 * h + 1] : 0.f);
+                *reinterpret_cast<__nv_bfloat162*>(rec_aqk + sw128(i, j)) = a;
+                if (extras && i < rows) {
+                  *reinterpret_cast<__nv_bfloat162*>(aqk_g + (tok0 + i) * p.extras_tok_stride + j) = a;
+                }
+              }
+              continue;
+            }
+          }
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             int const i = 16 * r + g8 + (e >> 1) * 8, j = 16 * s + nt * 8 + 2 * t4 + (e & 1);
             if (is_l) {
               L_at(i, j) = j < i ? sm.beta[i] * acc[nt][e] : 0.f;
-            } else if constexpr (kPass == kKdaPrep) {
-              bf16 const a = __float2bfloat16_rn(j <= i ? acc[nt][e] : 0.f);
-              rec_aqk[sw128(i, j)] = a;
-              if (extras && i < rows) aqk_g[(tok0 + i) * p.extras_tok_stride + j] = a;
             } else {
               aqk_at(i, j) = __float2bfloat16_rn(j <= i ? acc[nt][e] : 0.f);
             }

@@ -109,7 +109,8 @@ def test_matches_fla_and_fp64(case, strict_mode):
 
 
 def test_steps_follow_fla(strict_mode):
-    """Eight consecutive decode steps from one cache: every y and the cache stay equal to FLA's run."""
+    """Eight consecutive decode steps from one cache: the cache stays equal to FLA's, every y within one bf16 rounding
+    of FLA's (an ulp is at most 2^-7 relative; both round fp32 sums taken in different orders)."""
     N, D, W = 16, 2048, 4
     x0, cache, weight, _, _ = _draw(N, D, W, torch.bfloat16, torch.bfloat16, "n1d", False, False, seed=1)
     c_fla = cache.clone()
@@ -119,7 +120,7 @@ def test_steps_follow_fla(strict_mode):
         y, _ = ops_conv.causal_conv1d_update(x, cache, weight=weight, activation="silu")
         assert torch.equal(cache, c_fla), step
         d = (y.float() - y_fla.float()).abs()
-        assert (d <= 2.0 ** -8 * y_fla.float().abs() + 1e-6).all(), step
+        assert (d <= 2.0 ** -7 * y_fla.float().abs() + 1e-6).all(), (step, d.max().item())
 
 
 def test_cuda_graph_replay(strict_mode):
