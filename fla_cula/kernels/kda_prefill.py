@@ -145,41 +145,46 @@ def plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens
 # the kernel serves a call when a cost model predicts it below ROUTE_GAIN x FLA's time. Measured on the H200
 # (graph replay, docs/kda_sm90.md "v2.1"): a CTA takes US_PER_CHUNK[block_v] per 64-token chunk
 # whatever the grid (1 CTA per SM, latency-bound phases), so the kernel's time is waves x chunks per CTA; FLA's
-# chunk-parallel kernels take ~FLA_NS_PER_TOKEN_HEAD per token and value head on large calls. The tests set
-# ROUTE_GRAD and turn the model off. ROUTE_INTERMEDIATE: return_intermediate_states calls stay on FLA until the h
-# the kernel writes has been compared with FLA's on the H200 (tests/gpu/test_kda_prefill.py
-# test_return_intermediate_states; emulated only so far).
+# chunk-parallel kernels take fla_us (fixed + serial chain + per token and value head). The tests set
+# ROUTE_GRAD and turn the model off. ROUTE_INTERMEDIATE: return_intermediate_states calls take the kernel (its h
+# matched FLA's on the H200 in session 20: tests/gpu/test_kda_prefill.py test_return_intermediate_states).
 ROUTE_GRAD = False
-ROUTE_INTERMEDIATE = False
+ROUTE_INTERMEDIATE = True
 ROUTE_BY_COST = True
 US_PER_CHUNK = {64: 14.0, 128: 15.4}   # B2 T8192 H64, 128 chunks per CTA: block_v 64 3.589 ms / 2 waves; 128: 1.970 ms
-FLA_NS_PER_TOKEN_HEAD = 3.21           # FLA 0.6.0, B2 T8192 H64: 3.367 ms / (2 * 8192 * 64)
 ROUTE_GAIN = 0.9
 
+# FLA 0.6.0 (graph replay) = fixed + its serial state chain (per chunk of the longest sequence) + a per-token-head
+# rate, fitted to the four rows measured in session 20 (docs/kda_sm90.md "Session 20"): B1 T8192 H8 0.414 ms,
+# B1 T2048 H16 0.178, B1 T32768 H16 2.195, B2 T8192 H64 3.367; within 7% of each.
+FLA_FIXED_US = 33.5
+FLA_US_PER_SERIAL_CHUNK = 1.44
+FLA_NS_PER_TOKEN_HEAD = 3.0
 
-# FLA's state pass is serial over a sequence's chunks: at small grids its time is that chain, not the per-token rate
-# (B1 T8192 H8, graph replay: 0.41 ms for 128 chunks, docs/kda_sm90.md "v1.1").
-FLA_US_PER_SERIAL_CHUNK = 3.2
 
-
-def _pass_us(chunks: list[int], copies: int, sms: int, us: float, per_sm: int = 1, us_alone: float = 0.0) -> float:
+def _pass_us(chunks: list[int], copies: int, sms: int, us: float, per_sm: int = 1, us_alone: float = 0.0,
+             fixed: float = 0.0) -> float:
     """One launch of CTAs with these chunk counts, each `copies` times (heads x V blocks), at `us` per chunk on `sms`
-    SMs holding `per_sm` CTAs each (`us_alone` when no SM gets two): full waves for equal counts, else the average
-    load plus the longest CTA (a bound)."""
+    SMs holding `per_sm` CTAs each (`us_alone` when no SM gets two), plus `fixed` per wave (a CTA's start: its
+    first loads, its start state): full waves for equal counts, else the average load plus the longest CTA (a
+    bound)."""
     if not chunks:
         return 0.0
     slots = sms * per_sm
+    waves = -(-len(chunks) * copies // slots)
     if per_sm > 1 and us_alone and len(chunks) * copies <= sms:
         us = us_alone
     if len(set(chunks)) <= 1:
-        return -(-len(chunks) * copies // slots) * chunks[0] * us
-    return (sum(chunks) * copies / slots + max(chunks)) * us
+        return waves * (chunks[0] * us + fixed)
+    return (sum(chunks) * copies / slots + max(chunks)) * us + waves * fixed
 
 
 def fla_us(lens: list[int], HV: int) -> float:
-    """FLA 0.6.0's predicted microseconds (graph replay): its per-token rate, or its serial state pass."""
-    chunks = max((-(-L // CHUNK) for L in lens), default=0)
-    return max(sum(lens) * HV * FLA_NS_PER_TOKEN_HEAD * 1e-3, chunks * FLA_US_PER_SERIAL_CHUNK)
+    """FLA 0.6.0's predicted microseconds (graph replay): fixed + its serial chain + its per-token-head rate."""
+    if not lens:
+        return 0.0
+    chunks = max(-(-L // CHUNK) for L in lens)
+    return FLA_FIXED_US + chunks * FLA_US_PER_SERIAL_CHUNK + sum(lens) * HV * FLA_NS_PER_TOKEN_HEAD * 1e-3
 
 
 def predicted_us(lens: list[int], HV: int, sms: int) -> tuple[float, float]:
@@ -196,20 +201,25 @@ def predicted_us(lens: list[int], HV: int, sms: int) -> tuple[float, float]:
 # the state phases from the records, over whole sequences or, split, over P segments: pass 1 (maps) gives each
 # segment's end state from a zero start and its transition map (the same recurrence on v = 0 from the identity),
 # the combine kernel chains them in order, pass 2 runs every segment from its true start state and writes o.
-# The per-chunk costs below are predictions from the measured phases of the fused kernel (v2.2, cycles per chunk at
-# 1.98 GHz), not yet measured in this form; TWO_KERNEL_VERIFIED stays False until it has run on the H200, and
-# until then only set_tuning(two_kernel=True) (tests, benchmarks) takes it.
+# The constants below are fitted to each pass replayed alone on the H200 (session 20, commit 82add99: B1 T8192 H8
+# P 8, B1 T2048 H16 P 4 and P 1, B2 T8192 H64 P 1; docs/kda_sm90.md "Session 20"). The model then predicts the
+# four measured two-kernel rows within 8% (0.296 / 0.204 / 1.705 / 2.473 ms vs 0.293 / 0.189 / 1.611 / 2.375).
+# TWO_KERNEL_VERIFIED: the form passed its GPU tests at 82add99; the prep's 16-byte Kd^T stores (f1566b0) have run
+# only on the emulator, so the routing waits for the next H200 run (set_tuning(two_kernel=True) takes it until then).
 TWO_KERNEL_VERIFIED = False
 REC_BYTES = int(_C.KDA_REC_BYTES)
 PREP_CHUNKS = 4                     # chunks per prep CTA: the next chunk's loads overlap the current one's phases
 PREP_CTAS_PER_SM = 2                # PrepStorage: 109 KB of shared memory, 128 registers
-PREP_US_PER_CHUNK = (11.0, 13.2)    # phases 1-6 alone: 20.6K cycles + ~1K of record stores; x 1.2 with two CTAs
-                                    # sharing the SM (docs/kda_sm90.md section 2's estimate for co-resident CTAs)
-STATE_US_PER_CHUNK = {64: 2.5, 128: 3.6}   # phases 7-8 + the v store: 4.3K / 6.6K cycles + record waits
+PREP_US_PER_CHUNK = (17.0, 23.6)    # per chunk per CTA, alone / two per SM (33.8K / 46.7K cycles, phase_cycles)
+PREP_WAVE_US = 20.0                 # a prep CTA's start (its first chunk's loads), per wave
+STATE_US_PER_CHUNK = {64: 3.44, 128: 4.8}  # pass 2 alone per chunk (128: 64 + the fused kernel's 1.4 for 64 more
+                                           # columns, not measured in this form)
 STATE_CTAS_PER_SM = {64: 2, 128: 1}        # StateStorage: 97 / 129 KB of shared memory
-STATE_SHARED = 1.2                         # a CTA's time per chunk with a second one on its SM
-MAPS_US_PER_CHUNK = 2.0             # block_v 128 without O: V' and the state update
-COMBINE_US = (4.0, 2.0)             # the combine kernel: fixed, and per serial segment step (262K FMA per CTA)
+STATE_SHARED = 1.42                        # a CTA's time per chunk with a second one on its SM (B2 T8192 H64)
+STATE_WAVE_US = 15.0                       # a state CTA's start: its start state and first record
+MAPS_US_PER_CHUNK = 2.9             # block_v 128 without O: V' and the state update
+MAPS_WAVE_US = 28.0
+COMBINE_US = (6.5, 3.75)            # the combine kernel: fixed, and per serial segment step
 LAUNCH_US = 3.0                     # each launch after the first (graph replay)
 MAX_SEGMENTS = 16
 
@@ -238,7 +248,7 @@ def _two_kernel_plan(lens: tuple[int, ...], HV: int, sms: int, segments: int | N
     maxc = max(chunks, default=0)
     prep_units = max(1, -(-maxc // PREP_CHUNKS))
     blocks = [min(PREP_CHUNKS, c - PREP_CHUNKS * u) for c in chunks for u in range(-(-c // PREP_CHUNKS))]
-    prep = _pass_us(blocks, HV, sms, PREP_US_PER_CHUNK[1], PREP_CTAS_PER_SM, PREP_US_PER_CHUNK[0])
+    prep = _pass_us(blocks, HV, sms, PREP_US_PER_CHUNK[1], PREP_CTAS_PER_SM, PREP_US_PER_CHUNK[0], PREP_WAVE_US)
     best = None
     search = range(1, MAX_SEGMENTS + 1) if len(lens) * HV < sms else (1,)
     for P in ([segments] if segments else search):
@@ -247,13 +257,14 @@ def _two_kernel_plan(lens: tuple[int, ...], HV: int, sms: int, segments: int | N
             continue  # fewer non-empty segments than P: a smaller P does the same
         for bv in ([block_v] if block_v else (64, 128)):
             state = (STATE_US_PER_CHUNK[bv] * (STATE_SHARED if STATE_CTAS_PER_SM[bv] > 1 else 1.0),
-                     STATE_CTAS_PER_SM[bv], STATE_US_PER_CHUNK[bv])
+                     STATE_CTAS_PER_SM[bv], STATE_US_PER_CHUNK[bv], STATE_WAVE_US)
             if P == 1:
                 t = _pass_us(chunks, HV * (HEAD_DIM // bv), sms, *state)
             else:
                 parts = [min(seg, c - seg * s) for c in chunks for s in range(-(-c // seg))]
                 maps = [min(seg, c - seg * s) for c in chunks for s in range(min(P - 1, -(-c // seg)))]
-                t = (_pass_us(maps, HV * 2, sms, MAPS_US_PER_CHUNK) + COMBINE_US[0] + COMBINE_US[1] * (P - 2)
+                t = (_pass_us(maps, HV * 2, sms, MAPS_US_PER_CHUNK, fixed=MAPS_WAVE_US)
+                     + COMBINE_US[0] + COMBINE_US[1] * (P - 2)
                      + _pass_us(parts, HV * (HEAD_DIM // bv), sms, *state) + 2 * LAUNCH_US)
             plan = TwoKernelPlan(P, seg, bv, prep_units, prep + LAUNCH_US + t)
             if best is None or plan.us < best.us:
