@@ -114,8 +114,8 @@ struct SharedStorage {
 };
 
 // The prep kernel's layout (kda_prep_kernel; docs/kda_sm90.md "Lean prep"): no state tiles, no G tile (G stays in
-// the registers of the phase-2 thread, which forms every factor in phase 3), and Qg, Kd^T, Aqk, -W go to the record
-// straight from registers. Under 113 KB: two CTAs per SM. Tiles that die early share storage, as in SharedStorage.
+// the registers of the phase-2 thread, which forms every factor in phase 3), and Qg, Kd^T, Aqk go to the record
+// straight from registers (-W through Kf's storage, dead by then). Under 113 KB: two CTAs per SM. Tiles that die early share storage, as in SharedStorage.
 struct PrepStorage {
   union alignas(1024) {
     bf16 Ke[kC][kK];                         // (3-4), sw128k
@@ -359,9 +359,9 @@ __device__ __forceinline__ void store_pair(bf16* p, float a, float b) {
   *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
 }
 
-// 16-byte global store of four packed words (p 16-byte aligned)
-__device__ __forceinline__ void st_global16(bf16* p, uint32_t const (&w)[4]) {
-  *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+// 8-byte global store of two packed words (p 8-byte aligned)
+__device__ __forceinline__ void st_global8(bf16* p, uint32_t const (&w)[2]) {
+  *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
 }
 
 // (bf16(a), bf16(b)) packed, a in the low half
@@ -448,6 +448,15 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   };
   auto t1_at = [&](int i, int d) -> bf16& {
     if constexpr (kWgmma) return (&sm.u3.t1[0][0])[sw128k<kC>(i, d)]; else return sm.u3.t1[i][d];
+  };
+  // kPrep: -W's sw128k image is staged in Kf's storage (Kf dies in phase 4; the next chunk writes it in phase 3),
+  // so that it reaches the record in 16-byte pieces (write_record) rather than as 4-byte pairs from the accumulators
+  auto wn_stage = [&]() -> bf16* {
+    if constexpr (kPass != kKdaPrep) __builtin_unreachable();
+    else {
+      static_assert(sizeof(sm.t3.Kf) >= kC * kK * sizeof(bf16), "Kf's storage holds -W's image");
+      return &sm.t3.Kf[0][0];
+    }
   };
   auto wn_at = [&](int i, int d) -> bf16& {
     if constexpr (!kFusedTiles) __builtin_unreachable();
@@ -794,15 +803,17 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       return reinterpret_cast<unsigned char*>(&sm.gamma[0]) + (b - kRecGamma);
     }
   };
-  // kPrep: akkb and gamma from shared memory (the other tiles went to the record from registers)
+  // kPrep: akkb, -W (staged) and gamma from shared memory in 16-byte pieces (Qg, Kd^T, Aqk went from registers)
   auto write_record = [&](int c) {
     unsigned char* const dst = record(c);
-    constexpr int kAkkbPieces = (kRecWn - kRecAkkb) / 16, kPieces = kAkkbPieces + (kKdaRecBytes - kRecGamma) / 16;
+    constexpr int kAkkb = (kRecWn - kRecAkkb) / 16, kWn = (kRecQg - kRecWn) / 16;
+    constexpr int kPieces = kAkkb + kWn + (kKdaRecBytes - kRecGamma) / 16;
     for (int j = tid; j < kPieces; j += kThreads) {
-      int const b = j < kAkkbPieces ? kRecAkkb + 16 * j : kRecGamma + 16 * (j - kAkkbPieces);
-      unsigned char const* const src = j < kAkkbPieces ? reinterpret_cast<unsigned char const*>(&sm.akkb[0][0]) + b
-                                                       : reinterpret_cast<unsigned char const*>(&sm.gamma[0]) +
-                                                             (b - kRecGamma);
+      int const b = j < kAkkb + kWn ? kRecAkkb + 16 * j : kRecGamma + 16 * (j - kAkkb - kWn);
+      unsigned char const* const src =
+          j < kAkkb        ? reinterpret_cast<unsigned char const*>(&sm.akkb[0][0]) + b
+          : j < kAkkb + kWn ? reinterpret_cast<unsigned char const*>(wn_stage()) + (b - kRecWn)
+                            : reinterpret_cast<unsigned char const*>(&sm.gamma[0]) + (b - kRecGamma);
       *reinterpret_cast<uint4*>(dst + b) = *reinterpret_cast<uint4 const*>(src);
     }
   };
@@ -1070,7 +1081,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
         float const a0 = float(sm.anc_a[r][d]), a1 = float(sm.anc_a[r][d + 1]);
         float const b0 = float(sm.anc_b[r][d]), b1 = float(sm.anc_b[r][d + 1]);
         float const h0x = sm.g63[d], h0y = sm.g63[d + 1];
-        uint32_t kd[2][4];  // Kd^T rows d, d + 1: the token pairs of one 8-token unit
+        uint32_t kd[2][2];  // Kd^T rows d, d + 1: two token pairs (8 bytes of a row)
 #pragma unroll
         for (int u = 0; u < kBC; u += 2) {
           int const i = kBC * r + u;
@@ -1091,11 +1102,11 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
           store_pair(rec_qg + sw128k<kC>(i + 1, d), q1.x * sq1 * e10, q1.y * sq1 * e11);
           kg[0][u / 2] = pack_bf16(k0.x * sk0 * e00, k1.x * sk1 * e10);
           kg[1][u / 2] = pack_bf16(k0.y * sk0 * e01, k1.y * sk1 * e11);
-          kd[0][(u >> 1) & 3] = pack_bf16(k0.x * sk0 * ex2(h0x - G0.x), k1.x * sk1 * ex2(h0x - G1.x));
-          kd[1][(u >> 1) & 3] = pack_bf16(k0.y * sk0 * ex2(h0y - G0.y), k1.y * sk1 * ex2(h0y - G1.y));
-          if ((u & 7) == 6) {  // tokens kBC r + (u & 8) .. + 7 of rows d, d + 1
-            st_global16(rec_kdT + sw128(d, kBC * r + (u & 8)), kd[0]);
-            st_global16(rec_kdT + sw128(d + 1, kBC * r + (u & 8)), kd[1]);
+          kd[0][(u >> 1) & 1] = pack_bf16(k0.x * sk0 * ex2(h0x - G0.x), k1.x * sk1 * ex2(h0x - G1.x));
+          kd[1][(u >> 1) & 1] = pack_bf16(k0.y * sk0 * ex2(h0y - G0.y), k1.y * sk1 * ex2(h0y - G1.y));
+          if ((u & 3) == 2) {  // tokens kBC r + (u & 12) .. + 3 of rows d, d + 1
+            st_global8(rec_kdT + sw128(d, kBC * r + (u & 12)), kd[0]);
+            st_global8(rec_kdT + sw128(d + 1, kBC * r + (u & 12)), kd[1]);
           }
         }
       } else {
@@ -1389,13 +1400,12 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
         } else {
           warp_mma_tn<8, kC>(acc, &sm.akkb[16 * mt][0], kLdC, &sm.t2.KgT[nb][0], kLdC, lane);
         }
-        bf16* const rec_wn = kPass == kKdaPrep ? reinterpret_cast<bf16*>(record(chunk) + kRecWn) : nullptr;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
           int const i = 16 * mt + g8, d = nb + nt * 8 + 2 * t4;
-          if constexpr (kPass == kKdaPrep) {  // straight to the record (sw128k image)
-            store_pair(rec_wn + sw128k<kC>(i, d), -acc[nt][0], -acc[nt][1]);
-            store_pair(rec_wn + sw128k<kC>(i + 8, d), -acc[nt][2], -acc[nt][3]);
+          if constexpr (kPass == kKdaPrep) {  // the sw128k image staged in Kf's storage; write_record copies it
+            store_pair(wn_stage() + sw128k<kC>(i, d), -acc[nt][0], -acc[nt][1]);
+            store_pair(wn_stage() + sw128k<kC>(i + 8, d), -acc[nt][2], -acc[nt][3]);
           } else {
             store_pair(&wn_at(i, d), -acc[nt][0], -acc[nt][1]);
             store_pair(&wn_at(i + 8, d), -acc[nt][2], -acc[nt][3]);
@@ -1409,7 +1419,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       mark(6);
 
       if constexpr (kPass == kKdaPrep) {
-        write_record(chunk);  // akkb and gamma; the other tiles went from registers
+        write_record(chunk);  // akkb, -W (staged in Kf's storage) and gamma; Qg, Kd^T, Aqk went from registers
         if (prefetch) {
           load_vb(chunk + 1);
           store_vb();  // beta last read in phase 5 (barriers between)
