@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             for pn, g in pgraphs:
                 print(f"      ({name}: timing {pn})", flush=True)
                 parts.append(f"{pn} {triton.testing.do_bench(g.replay, warmup=25, rep=100):.3f}")
-            print(f"      {name}: P={plan.segments} seg {plan.seg_chunks} block_v {plan.block_v}: {', '.join(parts)} ms "
-                  f"(model {plan.us / 1e3:.3f} ms in all)", flush=True)
+            print(f"      {name}: P={plan.segments} seg {plan.seg_chunks} block_v {plan.block_v}: "
+                  f"{', '.join(parts)} ms (model {plan.us / 1e3:.3f} ms in all)", flush=True)
             for pn, phases in prof.items():
                 print(f"        {pn} cycles per chunk per CTA: " +
                       ", ".join(f"{ph} {c:.0f}" for ph, c in phases.items() if c) +
