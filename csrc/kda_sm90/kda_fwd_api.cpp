@@ -138,7 +138,7 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
   }
   if (!ht_obj.is_none()) {
     TensorArg ht = tensor_arg(ht_obj, "final_state");
-    expect_tensor(ht, {dtype::kFloat32}, state_shape, state_what, &q);
+    expect_tensor(ht, {dtype::kFloat32}, state_shape, state_what, &q, 8);  // 8-byte stores (K-major pairs)
     p.ht = ht.ptr<float>();
   }
   if (Aqk_obj.is_none() != Akk_obj.is_none()) {
@@ -211,7 +211,7 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
       }
       TensorArg t = tensor_arg(obj, name);
       std::string const what = "(" + std::to_string(slots) + " segments, N, HV, 128, 128)";
-      expect_tensor(t, {dtype::kFloat32}, {slots, N, HV, kHeadDim, kHeadDim}, what.c_str(), &q);
+      expect_tensor(t, {dtype::kFloat32}, {slots, N, HV, kHeadDim, kHeadDim}, what.c_str(), &q, 16);
       return t.ptr<float>();
     };
     p.seg_H = seg_state(seg_H_obj, "seg_H", pass == kKdaState ? P - 1 : 0);
@@ -314,12 +314,13 @@ void kda_combine_api(py::handle seg_H_obj, py::handle seg_M_obj) {
     throw py::value_error("seg_H: expected shape (P - 1, N, HV, 128, 128), got " + H.shape_str());
   }
   expect_contiguous(H);
+  expect_aligned(H, 16);  // 16-byte copies and accesses
   expect_cuda(H);
   int64_t const slots = H.size(0), N = H.size(1), HV = H.size(2);
   TensorArg M = tensor_arg(seg_M_obj, "seg_M");
   std::string const what = "(P - 2, N, HV, 128, 128) = (" + std::to_string(slots > 0 ? slots - 1 : 0) + ", " +
                            std::to_string(N) + ", " + std::to_string(HV) + ", 128, 128)";
-  expect_tensor(M, {dtype::kFloat32}, {slots > 0 ? slots - 1 : 0, N, HV, kHeadDim, kHeadDim}, what.c_str(), &H);
+  expect_tensor(M, {dtype::kFloat32}, {slots > 0 ? slots - 1 : 0, N, HV, kHeadDim, kHeadDim}, what.c_str(), &H, 16);
   if (slots > INT32_MAX) throw py::value_error("seg_H: too many segments, got shape " + H.shape_str());
   KdaCombineParams p{};
   p.seg_H = H.ptr<float>();

@@ -653,22 +653,28 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
     }
   };
   if constexpr (kPass != kKdaPrep) {
+    // elements (d, c) and (d, c + 1) of a thread's tile: adjacent in K-major states (seg_H: one 8-byte load); h0 is
+    // read only where it is the start (its V-first rows are contiguous in d across the warp)
     int const d0 = warp * 16 + g8;
+    bool const from_h0 = p.h0 != nullptr && (kPass != kKdaState || (!mmap && seg == 0));
 #pragma unroll
     for (int nt = 0; nt < kNS; ++nt) {
       int const c = nt * 8 + 2 * t4;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        int const d = d0 + (e >> 1) * 8, cc = c + (e & 1);
-        float s0 = p.h0 != nullptr ? p.h0[state_index(d, cc)] : 0.f;
-        if constexpr (kPass == kKdaState) {
+      for (int e = 0; e < 4; e += 2) {
+        int const d = d0 + (e >> 1) * 8;
+        float2 s0 = make_float2(0.f, 0.f);
+        if (from_h0) {
+          s0 = make_float2(p.h0[state_index(d, c)], p.h0[state_index(d, c + 1)]);
+        } else if constexpr (kPass == kKdaState) {
           if (mmap) {
-            s0 = d == col0 + cc ? 1.f : 0.f;
-          } else if (seg > 0) {
-            s0 = p.maps ? 0.f : p.seg_H[seg_index(seg - 1, d, cc)];
+            s0 = make_float2(d == col0 + c ? 1.f : 0.f, d == col0 + c + 1 ? 1.f : 0.f);
+          } else if (seg > 0 && !p.maps) {
+            s0 = *reinterpret_cast<float2 const*>(&p.seg_H[seg_index(seg - 1, d, c)]);
           }
         }
-        S[nt][e] = s0;
+        S[nt][e] = s0.x;
+        S[nt][e + 1] = s0.y;
       }
     }
     store_sT(S);
@@ -1456,19 +1462,24 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
     bool const to_ht = p.ht != nullptr && (kPass == kKdaFused || (!p.maps && seg == last_seg));
     bool const to_seg = kPass == kKdaState && p.maps;
     if (to_ht || to_seg) {
+      // (d, c), (d, c + 1) as one 8-byte store where adjacent (K-major: seg_H, seg_M, ht unless V-first, whose rows
+      // are contiguous in d across the warp instead)
       int const d0 = warp * 16 + g8;
 #pragma unroll
       for (int nt = 0; nt < kNS; ++nt) {
         int const c = nt * 8 + 2 * t4;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          int const d = d0 + (e >> 1) * 8, cc = c + (e & 1);
-          if (to_ht) {
-            p.ht[state_index(d, cc)] = S[nt][e];
-          } else if (mmap) {
-            p.seg_M[seg_index(seg - 1, d, cc)] = S[nt][e];
+        for (int e = 0; e < 4; e += 2) {
+          int const d = d0 + (e >> 1) * 8;
+          float2 const v = make_float2(S[nt][e], S[nt][e + 1]);
+          float* const dst = to_ht ? p.ht + state_index(d, c)
+                             : mmap ? p.seg_M + seg_index(seg - 1, d, c)
+                                    : p.seg_H + seg_index(seg, d, c);
+          if (to_ht && p.state_v_first) {
+            dst[0] = v.x;
+            p.ht[state_index(d, c + 1)] = v.y;
           } else {
-            p.seg_H[seg_index(seg, d, cc)] = S[nt][e];
+            *reinterpret_cast<float2*>(dst) = v;
           }
         }
       }
