@@ -115,7 +115,8 @@ struct SharedStorage {
 
 // The prep kernel's layout (kda_prep_kernel; docs/kda_sm90.md "Lean prep"): no state tiles, no G tile (G stays in
 // the registers of the phase-2 thread, which forms every factor in phase 3), and Qg, Kd^T, Aqk go to the record
-// straight from registers (-W through Kf's storage, dead by then). Under 113 KB: two CTAs per SM. Tiles that die early share storage, as in SharedStorage.
+// straight from registers (-W through Kf's storage, dead by then). Under 113 KB: two CTAs per SM. Tiles that die
+// early share storage, as in SharedStorage.
 struct PrepStorage {
   union alignas(1024) {
     bf16 Ke[kC][kK];                         // (3-4), sw128k
@@ -1078,8 +1079,8 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
         // Thread = (16-row block r, channel pair d) of phase 2, G in its registers: every factor of its 16 x 2
         // elements, with the expressions of the fused kernel's phases 3 and 5a (same bits). Qe, Ke, Kf to shared
         // memory; Qg and Kd^T straight to the record (sw128k / sw128 images); Kg^T kept until Ke is dead. A warp's
-        // Qg pairs fill one 128-byte row; Kd^T rows d, d + 1 go out as 16-byte units of 8 tokens (a unit of sw128
-        // stays contiguous), not as 4-byte pairs in 32 rows at once.
+        // Qg pairs fill one 128-byte row; Kd^T rows d, d + 1 go out as 8-byte units of 4 tokens (contiguous in
+        // sw128), not as 4-byte pairs in 32 rows at once (16-byte units spill at the 128-register cap).
         int const r = tid >> 6, d = 2 * (tid & 63);
         unsigned char* const rc = record(chunk);
         bf16* const rec_qg = reinterpret_cast<bf16*>(rc + kRecQg);
