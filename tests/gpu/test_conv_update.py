@@ -110,18 +110,22 @@ def test_matches_fla_and_fp64(case, strict_mode):
 
 
 def test_steps_follow_fla(strict_mode):
-    """Eight consecutive decode steps from one cache: the cache stays equal to FLA's, every y within one bf16 rounding
-    of FLA's (an ulp is at most 2^-7 relative; both round fp32 sums taken in different orders)."""
+    """Eight consecutive decode steps from one cache: the cache stays equal to FLA's; every y is correctly rounded
+    against fp64 and within one bf16 rounding of FLA's (an ulp is at most 2^-7 relative; both round fp32 sums taken
+    in different orders)."""
     N, D, W = 16, 2048, 4
     x0, cache, weight, _, _ = _draw(N, D, W, torch.bfloat16, torch.bfloat16, "n1d", False, False, seed=1)
     c_fla = cache.clone()
     for step in range(8):
         x = torch.randn_like(x0, dtype=torch.float32).to(torch.bfloat16)
+        y_ref, _ = _ref(x, cache, weight, None, None, True)
         y_fla, _ = FLA(x, c_fla, weight=weight, activation="silu")
         y, _ = ops_conv.causal_conv1d_update(x, cache, weight=weight, activation="silu")
         assert torch.equal(cache, c_fla), step
         d = (y.float() - y_fla.float()).abs()
         assert (d <= 2.0 ** -7 * y_fla.float().abs() + 1e-6).all(), (step, d.max().item())
+        err = (y.double().reshape(N, D) - y_ref).abs()
+        assert (err <= (2.0 ** -MANT[torch.bfloat16] + FP32_CALC) * y_ref.abs() + 1e-6).all(), step
 
 
 def test_cuda_graph_replay(strict_mode):
