@@ -204,8 +204,9 @@ def predicted_us(lens: list[int], HV: int, sms: int) -> tuple[float, float]:
 # The constants below are fitted to each pass replayed alone on the H200 (session 20, commit 82add99: B1 T8192 H8
 # P 8, B1 T2048 H16 P 4 and P 1, B2 T8192 H64 P 1; docs/kda_sm90.md "Session 20"). The model then predicts the
 # four measured two-kernel rows within 8% (0.296 / 0.204 / 1.705 / 2.473 ms vs 0.293 / 0.189 / 1.611 / 2.375).
-# TWO_KERNEL_VERIFIED: the form passed its GPU tests at 82add99; the prep's 16-byte Kd^T stores (f1566b0) have run
-# only on the emulator, so the routing waits for the next H200 run (set_tuning(two_kernel=True) takes it until then).
+# TWO_KERNEL_VERIFIED: the form passed its GPU tests at 82add99; the prep's record stores and the state passes'
+# start / end states changed after that (f1566b0..59c5d84) and have run only on the emulator, so the routing waits
+# for the next H200 run (set_tuning(two_kernel=True) takes it until then).
 TWO_KERNEL_VERIFIED = False
 REC_BYTES = int(_C.KDA_REC_BYTES)
 PREP_CHUNKS = 4                     # chunks per prep CTA: the next chunk's loads overlap the current one's phases
