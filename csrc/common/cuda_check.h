@@ -8,6 +8,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <stdexcept>
 #include <string>
 
@@ -83,3 +84,23 @@ inline void require_compute_capability(int device, int major, int minor, const c
       throw std::invalid_argument(msg);        \
     }                                          \
   } while (0)
+
+namespace fla_cula {
+
+// Raises kKernel's dynamic shared-memory limit to `bytes` (past the 48 KB default) and, with max_carveout, asks for
+// all of the SM's unified memory as shared memory: once per device, which must be current (DeviceGuard).
+template <auto kKernel>
+void opt_in_shared_memory(int device, int bytes, bool max_carveout = false) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<bool> done[kMaxDevices];
+  FLA_CULA_REQUIRE(device >= 0 && device < kMaxDevices, "device ordinal out of range: " + std::to_string(device));
+  if (done[device].load(std::memory_order_acquire)) return;
+  FLA_CULA_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  if (max_carveout) {
+    FLA_CULA_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                             int(cudaSharedmemCarveoutMaxShared)));
+  }
+  done[device].store(true, std::memory_order_release);
+}
+
+}  // namespace fla_cula

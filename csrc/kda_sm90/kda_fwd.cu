@@ -6,7 +6,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include <atomic>
 #include <string>
 
 #include "common/cuda_check.h"
@@ -16,20 +15,11 @@
 namespace fla_cula {
 namespace {
 
-constexpr int kMaxDevices = 64;
-
-// One launch of `kernel` (its dynamic shared memory opted in once per device) on `ctas` CTAs.
+// One launch of `kernel` (its dynamic shared memory opted in once per device) on `ctas` CTAs. All of the SM's
+// unified memory as shared memory: the prep kernel's two CTAs per SM need 2 x 110 KB.
 template <auto kKernel, int kSmem>
 void launch(KdaFwdParams const& a, int64_t ctas, char const* name) {
-  static std::atomic<bool> opted_in[kMaxDevices];
-  FLA_CULA_REQUIRE(a.device >= 0 && a.device < kMaxDevices, "kda_fwd: device ordinal out of range");
-  if (!opted_in[a.device].load(std::memory_order_acquire)) {
-    FLA_CULA_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    // all of the SM's unified memory as shared memory: the prep kernel's two CTAs per SM need 2 x 110 KB
-    FLA_CULA_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                             int(cudaSharedmemCarveoutMaxShared)));
-    opted_in[a.device].store(true, std::memory_order_release);
-  }
+  opt_in_shared_memory<kKernel>(a.device, kSmem, /*max_carveout=*/true);
   kKernel<<<dim3(unsigned(ctas)), kda_sm90::kThreads, kSmem, static_cast<cudaStream_t>(a.stream)>>>(a);
   cudaError_t const err = cudaGetLastError();
   if (err != cudaSuccess) throw_cuda_error(err, (std::string("launch of ") + name).c_str(), __FILE__, __LINE__);

@@ -3,7 +3,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -18,20 +17,13 @@ namespace {
 // the 64-register cap) serves up to kVarlenScheduleMaxSeqs.
 using SmallKernel = varlen_schedule::VarlenScheduleKernel<128, 4>;
 using LargeKernel = varlen_schedule::VarlenScheduleKernel<512, 16>;
-constexpr int kMaxDevices = 64;
 static_assert(LargeKernel::kMaxSeqs == kVarlenScheduleMaxSeqs, "the limit is the large specialization's");
 
 template <class Kernel>
 void launch(VarlenScheduleParams const& a) {
   auto* kernel = varlen_schedule::varlen_schedule_kernel<Kernel>;
   if constexpr (Kernel::kSmemBytes > 48 * 1024) {  // beyond 48 KiB needs an opt-in, once per device
-    static std::atomic<bool> opted_in[kMaxDevices];
-    FLA_CULA_REQUIRE(a.device >= 0 && a.device < kMaxDevices, "varlen_schedule: device ordinal out of range");
-    if (!opted_in[a.device].load(std::memory_order_acquire)) {
-      FLA_CULA_CUDA_CHECK(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes));
-      opted_in[a.device].store(true, std::memory_order_release);
-    }
+    opt_in_shared_memory<varlen_schedule::varlen_schedule_kernel<Kernel>>(a.device, Kernel::kSmemBytes);
   }
   int end_bit = 1;  // lengths are <= total_tokens
   while (end_bit < 31 && (int64_t(1) << end_bit) <= a.total_tokens) ++end_bit;
