@@ -85,12 +85,10 @@ def main(argv: list[str] | None = None) -> int:
             row = variant_row(graphs, args.rounds, ok)
         print(f"{B:>3} {T:>6} {H:>3} {row}", flush=True)
         for name, (plan, pgraphs, prof, _buffers) in passes.items():
-            parts = []
-            for pn, g in pgraphs:
-                print(f"      ({name}: timing {pn})", flush=True)
-                parts.append(f"{pn} {triton.testing.do_bench(g.replay, warmup=25, rep=100):.3f}")
-            print(f"      {name}: P={plan.segments} seg {plan.seg_chunks} block_v {plan.block_v}: "
-                  f"{', '.join(parts)} ms (model {plan.us / 1e3:.3f} ms in all)", flush=True)
+            parts = ", ".join(f"{pn} {triton.testing.do_bench(g.replay, warmup=25, rep=100):.3f}"
+                              for pn, g in pgraphs)
+            print(f"      {name}: P={plan.segments} seg {plan.seg_chunks} block_v {plan.block_v}: {parts} ms "
+                  f"(model {plan.us / 1e3:.3f} ms in all)", flush=True)
             for pn, phases in prof.items():
                 print(f"        {pn} cycles per chunk per CTA: " +
                       ", ".join(f"{ph} {c:.0f}" for ph, c in phases.items() if c) +
@@ -127,11 +125,11 @@ def _pass_graphs(kp, kargs, B, T, H, sms, knobs, capture_graph, profile=False):
     if profile:
         chunks = B * ((T + kp.CHUNK - 1) // kp.CHUNK)
         for pn, kw in (("prep", calls[0]), ("pass 2", calls[len(names) - 1])):
-            ctas = B * H * kw["units"] * (1 if kw["pass_kind"] == 1 else 128 // kw["block_v"])
-            cycles = torch.zeros(ctas, kp._C.KDA_FWD_PHASES, dtype=torch.int64, device=q.device)
+            vblocks = 1 if kw["pass_kind"] == 1 else 128 // kw["block_v"]   # the prep runs once per pair
+            cycles = torch.zeros(B * H * kw["units"] * vblocks, kp._C.KDA_FWD_PHASES, dtype=torch.int64,
+                                 device=q.device)
             launch(**kw, phase_cycles=cycles)
-            per_cta_chunks = chunks * H * (1 if kw["pass_kind"] == 1 else 128 // kw["block_v"])
-            total = cycles.cpu().to(torch.float64).sum(0) / per_cta_chunks
+            total = cycles.cpu().to(torch.float64).sum(0) / (chunks * H * vblocks)   # every CTA-chunk once
             prof[pn] = dict(zip(kp._C.KDA_FWD_PHASE_NAMES, total.tolist(), strict=True))
     return plan, out, prof, calls
 
