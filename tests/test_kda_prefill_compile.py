@@ -405,7 +405,7 @@ def test_routing_policy_per_call(monkeypatch):
     (measured per-chunk time vs FLA's fitted time) decides; run() ignores the policy."""
     from fla_cula.kernels import kda_prefill
     plan = _plan()
-    long = _plan_args(T=8192)                             # B=1 T=8192, 4 value heads: 128 chunks in series per CTA
+    long = _plan_args(T=2048)   # B=1 T=2048, 4 value heads: 32 chunks; the split's fixed costs (~137 us) exceed FLA's
     r, go = plan(*long)
     if r is not None and r.startswith(("no CUDA", "tensors on")):
         pytest.skip(r)

@@ -201,27 +201,27 @@ def predicted_us(lens: list[int], HV: int, sms: int) -> tuple[float, float]:
 # the state phases from the records, over whole sequences or, split, over P segments: pass 1 (maps) gives each
 # segment's end state from a zero start and its transition map (the same recurrence on v = 0 from the identity),
 # the combine kernel chains them in order, pass 2 runs every segment from its true start state and writes o.
-# The constants below are fitted to each pass replayed alone on the H200 (session 20, commit 82add99: B1 T8192 H8
-# P 8, B1 T2048 H16 P 4 and P 1, B2 T8192 H64 P 1; docs/kda_sm90.md "Session 20"). The model then predicts the
-# four measured two-kernel rows within 8% (0.296 / 0.204 / 1.705 / 2.473 ms vs 0.293 / 0.189 / 1.611 / 2.375).
-# TWO_KERNEL_VERIFIED: the form passed its GPU tests at 82add99; the prep's record stores and the state passes'
-# start / end states changed after that (f1566b0..59c5d84) and have run only on the emulator, so the routing waits
-# for the next H200 run (set_tuning(two_kernel=True) takes it until then).
-TWO_KERNEL_VERIFIED = False
+# The constants below are fitted to each pass replayed alone on the H200 (session 21, commit e03e5e9: six rows, P 1 to
+# 8; docs/kda_sm90.md "Session 21"); with them the model predicts the six measured two-kernel rows within 6%.
+# A prep CTA runs 4 chunks; two share an SM (18.25 us per chunk each, 32K cycles; 12 us alone); the whole launch
+# pays a one-time 17 us (the first loads), not one per wave. The state passes pay ~12-14 us per wave (start state,
+# first record). Back-to-back launches in a graph overlap their edges: no per-launch term.
+# TWO_KERNEL_VERIFIED: the form passed its GPU tests on the H200 at e03e5e9 (strict, NaN-poisoned: the two-kernel,
+# split, combine, intermediate-state, graph-replay and grad cases, 85 passed).
+TWO_KERNEL_VERIFIED = True
 REC_BYTES = int(_C.KDA_REC_BYTES)
 PREP_CHUNKS = 4                     # chunks per prep CTA: the next chunk's loads overlap the current one's phases
 PREP_CTAS_PER_SM = 2                # PrepStorage: 109 KB of shared memory, 128 registers
-PREP_US_PER_CHUNK = (17.0, 23.6)    # per chunk per CTA, alone / two per SM (33.8K / 46.7K cycles, phase_cycles)
-PREP_WAVE_US = 20.0                 # a prep CTA's start (its first chunk's loads), per wave
-STATE_US_PER_CHUNK = {64: 3.44, 128: 4.8}  # pass 2 alone per chunk (128: 64 + the fused kernel's 1.4 for 64 more
-                                           # columns, not measured in this form)
+PREP_US_PER_CHUNK = (12.0, 18.25)   # per chunk per CTA, alone / two per SM
+PREP_START_US = 17.0                # once per launch
+STATE_US_PER_CHUNK = {64: 3.3, 128: 4.39}  # pass 2 alone per chunk
 STATE_CTAS_PER_SM = {64: 2, 128: 1}        # StateStorage: 97 / 129 KB of shared memory
-STATE_SHARED = 1.42                        # a CTA's time per chunk with a second one on its SM (B2 T8192 H64)
-STATE_WAVE_US = 15.0                       # a state CTA's start: its start state and first record
-MAPS_US_PER_CHUNK = 2.9             # block_v 128 without O: V' and the state update
-MAPS_WAVE_US = 28.0
-COMBINE_US = (6.5, 3.75)            # the combine kernel: fixed, and per serial segment step
-LAUNCH_US = 3.0                     # each launch after the first (graph replay)
+STATE_SHARED = 1.42                        # a CTA's time per chunk with a second one on its SM (session 20)
+STATE_WAVE_US = 12.0                       # a state CTA's start: its start state and first record
+MAPS_US_PER_CHUNK = 2.5             # block_v 128 without O: V' and the state update
+MAPS_WAVE_US = 14.0
+COMBINE_US = (7.5, 2.5)             # the combine kernel: fixed, and per serial segment step and wave of SMs
+COMBINE_CTAS_PER_PAIR = 16          # kda_combine_kernel: 8 of the 128 columns per CTA
 MAX_SEGMENTS = 16
 
 
@@ -249,7 +249,8 @@ def _two_kernel_plan(lens: tuple[int, ...], HV: int, sms: int, segments: int | N
     maxc = max(chunks, default=0)
     prep_units = max(1, -(-maxc // PREP_CHUNKS))
     blocks = [min(PREP_CHUNKS, c - PREP_CHUNKS * u) for c in chunks for u in range(-(-c // PREP_CHUNKS))]
-    prep = _pass_us(blocks, HV, sms, PREP_US_PER_CHUNK[1], PREP_CTAS_PER_SM, PREP_US_PER_CHUNK[0], PREP_WAVE_US)
+    prep = PREP_START_US + _pass_us(blocks, HV, sms, PREP_US_PER_CHUNK[1], PREP_CTAS_PER_SM, PREP_US_PER_CHUNK[0])
+    combine_waves = -(-len(lens) * HV * COMBINE_CTAS_PER_PAIR // sms)
     best = None
     search = range(1, MAX_SEGMENTS + 1) if len(lens) * HV < sms else (1,)
     for P in ([segments] if segments else search):
@@ -265,9 +266,9 @@ def _two_kernel_plan(lens: tuple[int, ...], HV: int, sms: int, segments: int | N
                 parts = [min(seg, c - seg * s) for c in chunks for s in range(-(-c // seg))]
                 maps = [min(seg, c - seg * s) for c in chunks for s in range(min(P - 1, -(-c // seg)))]
                 t = (_pass_us(maps, HV * 2, sms, MAPS_US_PER_CHUNK, fixed=MAPS_WAVE_US)
-                     + COMBINE_US[0] + COMBINE_US[1] * (P - 2)
-                     + _pass_us(parts, HV * (HEAD_DIM // bv), sms, *state) + 2 * LAUNCH_US)
-            plan = TwoKernelPlan(P, seg, bv, prep_units, prep + LAUNCH_US + t)
+                     + COMBINE_US[0] + COMBINE_US[1] * (P - 2) * combine_waves
+                     + _pass_us(parts, HV * (HEAD_DIM // bv), sms, *state))
+            plan = TwoKernelPlan(P, seg, bv, prep_units, prep + t)
             if best is None or plan.us < best.us:
                 best = plan
     if best is None:  # forced segments beyond the chunks: P segments of one chunk, the last taking the rest

@@ -14,10 +14,9 @@ from fla_cula import routing
 
 FLA_CAUSAL_CONV1D_UPDATE = _fla_conv.causal_conv1d_update
 
-# The kernel is routed once its GPU tests (tests/gpu/test_conv_update.py) have passed on the H200. It was written in a
-# session without a device (session 18): until then every call goes to FLA with this reason, and FLA_CULA_FORCE=1 runs
-# the kernel (the GPU tests set it).
-KERNEL_VERIFIED = False
+# The kernel's GPU tests (tests/gpu/test_conv_update.py: fp64 and FLA bars, in-place state, fallbacks) passed on the
+# H200 in session 21 (docs/runs/2026-12-05b_tests_two.log); False would send every call to FLA with UNVERIFIED.
+KERNEL_VERIFIED = True
 UNVERIFIED = "the conv kernel has not run on the H200 yet (its GPU tests are pending; FLA_CULA_FORCE=1 runs it)"
 
 

@@ -760,12 +760,20 @@ def _grad_errors(c: Cfg, fla_fns) -> dict[str, tuple[float, float, float, torch.
     return errs
 
 
+@pytest.mark.parametrize("form", ["fused", "two-P3"])
 @pytest.mark.parametrize("c", _params(GRAD, {"T200-B2-H4", "varlen-GVA-H2-HV8-noA"}))
-def test_grad(c, strict_mode, fla_fns):
-    """Every gradient but dA_log within the fp64 / FLA bars on this draw (dA_log: test_grad_dA_log_over_seeds)."""
+def test_grad(c, form, strict_mode, fla_fns):
+    """Every gradient but dA_log within the fp64 / FLA bars on this draw (dA_log: test_grad_dA_log_over_seeds), with
+    the fused kernel and with the two-kernel form split in 3 segments (its prep writes Aqk / Akk chunk-parallel)."""
+    from fla_cula.kernels import kda_prefill
     from parity import rules
 
-    errs, bad = _grad_errors(c, fla_fns), []
+    two = form != "fused"
+    kda_prefill.set_tuning(two_kernel=two, segments=3 if two else None)
+    try:
+        errs, bad = _grad_errors(c, fla_fns), []
+    finally:
+        kda_prefill.set_tuning()
     for name, (e_c, e_f, amax, dtype) in errs.items():
         ok, note = rules.judge(name, e_c, e_f, amax, dtype)
         if not ok and name != "dA_log":
