@@ -209,11 +209,16 @@ class _Notes:
         return [f"{n}. {PEER_NAMES.get(i, i)}: {r.replace('|', '/')}" for (i, r), n in self.items.items()]
 
 
-def _cell(r: dict | None, notes: _Notes) -> str:
+def _cell(r: dict | None, notes: _Notes, run: str | None = None) -> str:
+    """One time cell; a footnote when the record comes from another run than the row's fla_cula record (`run`: its
+    commit), so the two were not timed in one process."""
     if not r:
         return "-"
     if r.get("ms") is not None:
-        return _ms(r["ms"]) + (" (fallback)" if is_fallback(r) else "")
+        other = run is not None and r.get("commit") not in (None, run)
+        return _ms(r["ms"]) + (" (fallback)" if is_fallback(r) else "") + (
+            " " + notes.ref(r["impl"], f"timed in an earlier run (commit {r['commit']}), not in the process of this "
+                                       f"row's fla_cula cell (commit {run})") if other else "")
     status = r.get("status") or "failed"
     word = {"declined": "declined", "unavailable": "n/a"}.get(status, "failed")
     return f"{word} {notes.ref(r['impl'], r.get('error') or status)}"
@@ -257,7 +262,8 @@ def peer_tables(records: list[dict]) -> list[str]:
                 c = impls.get("fla_cula")
                 ratio = speedup(bms, c.get("ms") if c else None)
                 rtxt = "-" if ratio is None else f"{ratio:.2f}x" + (" (fallback)" if is_fallback(c) else "")
-                cells = " | ".join(_cell(impls.get(i), notes) for i in cols)
+                run = c.get("commit") if c else None
+                cells = " | ".join(_cell(impls.get(i), notes, run) for i in cols)
                 L.append(f"| {shape} | {mode.replace('fwdbwd', 'fwd+bwd')} | {cells} | "
                          f"{PEER_NAMES.get(name, '-') if name else '-'} | {rtxt} |")
         L.append("")

@@ -404,6 +404,7 @@ def test_routing_policy_per_call(monkeypatch):
     """The op's policy (not the kernel's scope): grad -> FLA while ROUTE_GRAD is off; otherwise the cost model
     (measured per-chunk time vs FLA's fitted time) decides; run() ignores the policy."""
     from fla_cula.kernels import kda_prefill
+    monkeypatch.setattr(kda_prefill, "ROUTE_GRAD", False)
     plan = _plan()
     long = _plan_args(T=2048)   # B=1 T=2048, 4 value heads: 32 chunks; the split's fixed costs (~137 us) exceed FLA's
     r, go = plan(*long)

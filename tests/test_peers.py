@@ -239,6 +239,21 @@ def test_report_peer_columns_from_synthetic_json(tmp_path):
     assert "## chunk_kda peers\n" not in md and breport.short_table(recs).count("\n") == 0
 
 
+def test_report_marks_a_peer_timed_in_another_run():
+    """A peer record merged from an earlier run than the row's fla_cula record is footnoted, not shown as if timed
+    in the same process."""
+    recs = [dict(_peer_rec("fla", 2.0), commit="new"), dict(_peer_rec("fla_cula", 1.0, route="kernel"), commit="new"),
+            dict(_peer_rec("cudnn:kda_hopper_cuda", 1.5), commit="old"),
+            dict(_peer_rec("fla", 2.0, regime="slow"), commit="new"),
+            dict(_peer_rec("fla_cula", 1.0, route="kernel", regime="slow"), commit="new"),
+            dict(_peer_rec("cudnn:kda_hopper_cuda", 1.5, regime="slow"), commit="new")]
+    md = breport.markdown(recs, {"gpu": "x"}, {}, {}, "T")
+    assert "| 2.000 ms | 1.000 ms | 1.500 ms [1] | - | - |" in md
+    assert "1. cuDNN kda_hopper_cuda: timed in an earlier run (commit old), not in the process of this row's " \
+           "fla_cula cell (commit new)" in md
+    assert "| 2.000 ms | 1.000 ms | 1.500 ms | - | - |" in md   # the slow regime's peer ran in the same run
+
+
 def test_report_model_table():
     recs = []
     for impl, ms in (("plain", 20.0), ("patched", 18.0)):

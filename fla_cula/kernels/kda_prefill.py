@@ -138,17 +138,17 @@ def plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens
     return None, _forward
 
 
-# Routing policy of the op (not the kernel's scope: run() ignores it). Under grad the routed op runs FLA, forward
-# and backward. Our forward + FLA's backward passes the gradient bars (tests/gpu/test_kda_prefill.py: test_grad,
-# and dA_log over 8 draws, 1.11x FLA's error), but the forward under grad (FLA's l2norm on the host, the Aqk/Akk
-# writes) has not been timed against FLA's, and the cost model below is for the inference forward. Without grad
-# the kernel serves a call when a cost model predicts it below ROUTE_GAIN x FLA's time. Measured on the H200
-# (graph replay, docs/kda_sm90.md "v2.1"): a CTA takes US_PER_CHUNK[block_v] per 64-token chunk
+# Routing policy of the op (not the kernel's scope: run() ignores it). Under grad our forward + FLA's backward passes
+# the gradient bars with both forms (tests/gpu/test_kda_prefill.py: test_grad over fused and two-kernel, and dA_log
+# over 8 draws) and the training step is faster than FLA's (H200, session 21, FLA_CULA_FORCE=1: B2 T4096 H32 3.921
+# vs 4.183 ms, B1 T8192 H32 4.136 vs 4.330), so ROUTE_GRAD routes grad calls by the same cost model (the forward's).
+# Without grad the kernel serves a call when a cost model predicts it below ROUTE_GAIN x FLA's time. Measured on the
+# H200 (graph replay, docs/kda_sm90.md "v2.1"): a CTA takes US_PER_CHUNK[block_v] per 64-token chunk
 # whatever the grid (1 CTA per SM, latency-bound phases), so the kernel's time is waves x chunks per CTA; FLA's
 # chunk-parallel kernels take fla_us (fixed + serial chain + per token and value head). The tests set
 # ROUTE_GRAD and turn the model off. ROUTE_INTERMEDIATE: return_intermediate_states calls take the kernel (its h
 # matched FLA's on the H200 in session 20: tests/gpu/test_kda_prefill.py test_return_intermediate_states).
-ROUTE_GRAD = False
+ROUTE_GRAD = True
 ROUTE_INTERMEDIATE = True
 ROUTE_BY_COST = True
 US_PER_CHUNK = {64: 14.0, 128: 15.4}   # B2 T8192 H64, 128 chunks per CTA: block_v 64 3.589 ms / 2 waves; 128: 1.970 ms
@@ -324,7 +324,7 @@ def _route_reason(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, c
     if routing.force():
         return None
     if not ROUTE_GRAD and needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
-        return "grad -> FLA (the forward under grad is not yet timed against FLA's)"
+        return "grad -> FLA (ROUTE_GRAD is off)"
     if not ROUTE_INTERMEDIATE and cfg.return_intermediate_states:
         return "return_intermediate_states -> FLA (the kernel's h has not yet been checked against FLA's on the H200)"
     if not ROUTE_BY_COST:

@@ -86,9 +86,10 @@ OPS: dict[str, OpSpec] = {s.op: s for s in (
     # causal_conv1d_update: ShortConvolution's decode step (FLA calls it without autograd), beside the recurrent
     # decode op in every KDA layer's step (docs/model_benchmark.md)
     OpSpec("causal_conv1d_update", "conv_update", FORWARD_ONLY),
-    # chunk_kda: the fused KDA prefill v1.1 (CUDA C++, csrc/kda_sm90/), for inference calls where its measured
-    # cost model predicts a gain over FLA (large full grids: B2 T8192 H64 2.69 vs 3.37 ms on the H200); grad and
-    # other calls go to FLA with the reason (kda_prefill._route_reason; docs/kda_sm90.md, session 10).
+    # chunk_kda: the KDA prefill forward (CUDA C++, csrc/kda_sm90/: the fused kernel, or the prep + state kernels with
+    # the exact sequence split) wherever its measured cost model predicts a gain over FLA, with or without grad (FLA's
+    # backward then runs on our forward's saved tensors); other calls go to FLA with the reason
+    # (kda_prefill._route_reason; docs/kda_sm90.md "Session 21").
     OpSpec("chunk_kda", "kda_prefill", FLA_BACKWARD, "stand_in_chunk_kda", _KDA_CHUNK_DIMS),
     # chunk_lightning_attn: the lightning prefill kernel (CuTe DSL; wgmma by default, an exact two-pass sequence
     # split for grids that cannot fill the GPU; docs/lightning_prefill.md); its backward is three runs of the same

@@ -18,6 +18,11 @@ FLA_CAUSAL_CONV1D_UPDATE = _fla_conv.causal_conv1d_update
 # H200 in session 21 (docs/runs/2026-12-05b_tests_two.log); False would send every call to FLA with UNVERIFIED.
 KERNEL_VERIFIED = True
 UNVERIFIED = "the conv kernel has not run on the H200 yet (its GPU tests are pending; FLA_CULA_FORCE=1 runs it)"
+# Below MIN_KERNEL_SEQS sequences FLA's kernel is faster (H200, KDA model decode graphs, session 21, 12 calls of
+# D = 2048: B=1 18.7 us FLA vs 28.5 us ours; B=32 41.5 vs 30.7; B=128 120.8 vs 43.2). A straight line through these
+# puts the crossover near 12 sequences. FLA_CULA_FORCE=1 runs the kernel there too.
+MIN_KERNEL_SEQS = 16
+FEW_SEQS = f"fewer than {MIN_KERNEL_SEQS} sequences: FLA's kernel is faster there (H200, session 21)"
 
 
 def validate(x, cache, residual, weight, bias, activation) -> None:
@@ -63,6 +68,11 @@ def causal_conv1d_update(
     if not KERNEL_VERIFIED and routing.enabled() and not routing.force():
         validate(*args)
         routing.record_fallback("causal_conv1d_update", UNVERIFIED)
+        return routing.call_fla(FLA_CAUSAL_CONV1D_UPDATE, *args)
+    if (x.is_cuda and isinstance(weight, torch.Tensor) and weight.ndim == 2 and routing.enabled()
+            and not routing.force() and x.numel() < MIN_KERNEL_SEQS * weight.shape[0]):
+        validate(*args)
+        routing.record_fallback("causal_conv1d_update", FEW_SEQS)
         return routing.call_fla(FLA_CAUSAL_CONV1D_UPDATE, *args)
     go = routing.route("causal_conv1d_update", args, (x, cache, residual, weight, bias), validate=validate)
     if go is None:

@@ -19,10 +19,9 @@ FLA = ops_conv.FLA_CAUSAL_CONV1D_UPDATE
 
 @pytest.fixture(autouse=True)
 def _kernel_on(monkeypatch):
-    """Until ops_conv.KERNEL_VERIFIED, the op runs the kernel only under FLA_CULA_FORCE=1 (which changes no other
-    routing decision of this op)."""
-    if not ops_conv.KERNEL_VERIFIED:
-        monkeypatch.setenv("FLA_CULA_FORCE", "1")
+    """The op's speed-only fallbacks (unverified kernel, fewer than MIN_KERNEL_SEQS sequences) are off under
+    FLA_CULA_FORCE=1, which changes no other routing decision of this op: every case here runs the kernel."""
+    monkeypatch.setenv("FLA_CULA_FORCE", "1")
 # half an ulp of the output dtype, relative (the rounding of the fp32 result); fp32 itself: ex2.approx, the division
 # and the summation order, ~10 ulp. FLA sums the products in its own order (fp16 products in fp16), so its bits may
 # differ from ours by a rounding: the bars are ours vs fp64 and ours vs FLA's own error, not bit equality.
@@ -150,10 +149,13 @@ def test_cuda_graph_replay(strict_mode):
         assert torch.equal(y_static, y) and torch.equal(c_graph, c_eager), step
 
 
-@pytest.mark.parametrize("what", ["channels", "cache_strided", "grad"])
+@pytest.mark.parametrize("what", ["channels", "cache_strided", "grad", "few_seqs"])
 def test_fallbacks_say_why(what, monkeypatch):
-    """Calls the kernel does not serve go to FLA with the reason (FLA's result), and raise in strict mode."""
+    """Calls the kernel does not serve go to FLA with the reason (FLA's result), and raise in strict mode; few_seqs:
+    4 sequences, where FLA's kernel is faster (a speed-only fallback: FLA_CULA_FORCE=1 runs ours)."""
     monkeypatch.delenv("FLA_CULA_STRICT", raising=False)
+    if what == "few_seqs":
+        monkeypatch.delenv("FLA_CULA_FORCE", raising=False)
     N, D, W = 4, 2048 if what != "channels" else 2044, 4
     x, cache, weight, _, _ = _draw(N, D, W, torch.bfloat16, torch.bfloat16, "n1d", False, False, seed=3)
     if what == "cache_strided":
@@ -166,7 +168,8 @@ def test_fallbacks_say_why(what, monkeypatch):
     y, _ = ops_conv.causal_conv1d_update(x, cache, weight=weight, activation="silu")
     fb = routing.status()["causal_conv1d_update"]["fallback"]
     assert len(fb) == 1, fb
-    why = {"channels": "multiple of 8", "cache_strided": "cache not contiguous", "grad": "grad"}[what]
+    why = {"channels": "multiple of 8", "cache_strided": "cache not contiguous", "grad": "grad",
+           "few_seqs": ops_conv.FEW_SEQS}[what]
     assert why in next(iter(fb))
     assert torch.equal(y, y_fla) and torch.equal(cache, c_fla)
     with pytest.MonkeyPatch.context() as mp:
