@@ -69,8 +69,8 @@ def causal_conv1d_update(
         validate(*args)
         routing.record_fallback("causal_conv1d_update", UNVERIFIED)
         return routing.call_fla(FLA_CAUSAL_CONV1D_UPDATE, *args)
-    if (x.is_cuda and isinstance(weight, torch.Tensor) and weight.ndim == 2 and routing.enabled()
-            and not routing.force() and x.numel() < MIN_KERNEL_SEQS * weight.shape[0]):
+    if (isinstance(weight, torch.Tensor) and weight.ndim == 2 and routing.enabled() and not routing.force()
+            and x.numel() < MIN_KERNEL_SEQS * weight.shape[0] and routing.device_reason(x) is None):
         validate(*args)
         routing.record_fallback("causal_conv1d_update", FEW_SEQS)
         return routing.call_fla(FLA_CAUSAL_CONV1D_UPDATE, *args)
