@@ -24,7 +24,7 @@ import torch
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.kda_phases", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", type=int, nargs=3, default=[2, 8192, 64], metavar=("B", "T", "H"))
-    p.add_argument("--regime", choices=("random", "slow"), default="random")
+    p.add_argument("--regime", choices=("random", "slow", "fast"), default="random")
     p.add_argument("--block-v", type=int, choices=(64, 128), help="V columns per CTA (default: the call's choice)")
     p.add_argument("--mma-sync", action="store_true", help="phases 6-8 on mma.sync (set_tuning(wgmma=False))")
     p.add_argument("--json", help="write the result here too")

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.kda_variants", description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help="JSON: name -> kda_prefill.set_tuning knobs")
     p.add_argument("--rows", default=None, help="JSON list of [B, T, H] (default: six rows, small grids first)")
-    p.add_argument("--regime", choices=("random", "slow"), default="random")
+    p.add_argument("--regime", choices=("random", "slow", "fast"), default="random")
     p.add_argument("--rounds", type=int, default=3, help="timing rounds over all builds (median reported)")
     p.add_argument("--profile", action="store_true",
                    help="also run each two-kernel variant's prep and last pass instrumented (phase_cycles) and print "

@@ -26,6 +26,13 @@ Gate regimes (the raw gate input g ~ randn, as in FLA's tests, in both):
             every token decays the state by 1 - exp(a) < 0.01 (checked by `slow_share`, CPU test):
             long-memory channels as a trained model has, where a sequence split that restarts
             from a zero state after a warm-up (cuDNN's small-B*H split) loses accuracy or speed.
+    fast    A_log = 0, dt_bias = 0: a = lower_bound * sigmoid(g), every channel decays by
+            1 - exp(a) ~ 0.9 per token on average (checked by `fast_decay`, CPU test). cuDNN's
+            kda_hopper_cuda splits each sequence into pieces that replay the chunks before their
+            start until max over channels of the chunk gate sums attenuates the state by 2^-20:
+            one chunk here, but the whole prefix for a head with one slow channel (`random` has
+            such heads, `slow` has them everywhere), where its pieces run serially. This regime
+            is its best case; anchors.md's cuDNN table was measured in a regime like it.
 
 Errors: every record carries the output and final-state relative RMS error against the fp64
 recurrence (fla_cula.reference.kda_recurrent) computed on the GPU over the full length for the
@@ -51,7 +58,7 @@ SLOW_SHARE = 0.25  # share of key channels per value head with a slow decay in t
 SLOW_DT_BIAS = -13.0  # z = exp(A_log) (g + dt) <= g - 13 < -6.2 for g < 6.8: 1 - exp(a) < 0.01
 SLOW_DECAY = 0.01  # "slow": a channel decays the state by less than this per token
 REF_HEADS = 8  # value heads checked against the fp64 reference (full length)
-REGIMES = ("random", "slow")
+REGIMES = ("random", "slow", "fast")
 CUDNN_PLANS = ("kda_hopper_cuda", "kda_hopper")
 IMPLS = ("fla", "fla_cula") + tuple(f"cudnn:{p}" for p in CUDNN_PLANS) + ("flash_kda",)
 
@@ -112,6 +119,8 @@ def gate_params(regime: str, HV: int, K: int, device, seed: int = 0) -> tuple[to
     gen = torch.Generator().manual_seed(seed)
     A_log = torch.log(torch.empty(HV).uniform_(1, 16, generator=gen))
     dt_bias = 0.5 * torch.randn(HV, K, generator=gen)
+    if regime == "fast":
+        A_log, dt_bias = torch.zeros_like(A_log), torch.zeros_like(dt_bias)
     if regime == "slow":
         n_slow = round(SLOW_SHARE * K)
         for h in range(HV):
@@ -129,6 +138,16 @@ def slow_share(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lowe
     decay = -torch.expm1(a)  # 1 - exp(a)
     slow = (decay < threshold).flatten(0, 1).all(0)  # [HV, K]
     return float(slow.double().mean())
+
+
+def fast_decay(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float = LOWER_BOUND
+               ) -> float:
+    """The smallest per-channel mean decay 1 - exp(a) over (value head, key channel) of g ([B, T, HV, K]), a from
+    the fp64 gate formula: the channel that keeps the state longest."""
+    from fla_cula.reference.kda import kda_gate
+
+    decay = -torch.expm1(kda_gate(g, A_log, dt_bias, lower_bound))
+    return float(decay.flatten(0, 1).mean(0).min())
 
 
 def make_inputs(s: Shape, regime: str, device, grad: bool = False, seed: int = 0) -> dict:

@@ -245,8 +245,10 @@ def peer_tables(records: list[dict]) -> list[str]:
          "lower_bound=-5, beta sigmoid, state_v_first, fp32 h0, ht returned); FLA timed with FLA_FLASH_KDA=0 (its "
          "Triton kernels). Layout conversions (THD views, dt_bias [HV, K], cu_seqlens) are made before timing. "
          "`fla_cula / best peer` = best peer time / fla_cula time (> 1: fla_cula faster). A `(fallback)` fla_cula "
-         "cell ran FLA's code (route recorded per row), not a fla_cula kernel. Gate regimes: `random` (FLA's tests) "
-         "and `slow` (a quarter of the key channels decay by < 0.01 per token, as in a trained model). Errors: "
+         "cell ran FLA's code (route recorded per row), not a fla_cula kernel. Gate regimes: `random` (FLA's tests), "
+         "`slow` (a quarter of the key channels decay by < 0.01 per token, as in a trained model) and `fast` (A_log = "
+         "dt_bias = 0: every channel decays by ~0.9 per token, where cuDNN's sequence split replays a single chunk; "
+         "its best case). Errors: "
          "relative RMS of o / final state vs the fp64 recurrence (`ref` in the JSON: which heads).", ""]
     for (bench, regime), shapes in groups.items():
         notes = _Notes()

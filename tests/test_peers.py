@@ -62,9 +62,20 @@ def test_slow_regime_share_holds_and_random_has_none():
     assert (x["dt_bias"] == peers.SLOW_DT_BIAS).sum() == round(peers.SLOW_SHARE * 128) * 4
 
 
+def test_fast_regime_decays_every_channel_and_the_others_keep_one():
+    s = _S(1, 2048, 4)
+    f = peers.make_inputs(s, "fast", "cpu", seed=3)
+    assert peers.fast_decay(f["g"], f["A_log"], f["dt_bias"]) > 0.8  # a = -5 sigmoid(g): 1 - exp(a) ~ 0.9
+    assert peers.slow_share(f["g"], f["A_log"], f["dt_bias"]) == 0.0
+    for regime in ("random", "slow"):  # each has a channel that keeps the state far longer
+        x = peers.make_inputs(s, regime, "cpu", seed=3)
+        assert torch.equal(x["q"], f["q"]) and torch.equal(x["g"], f["g"])  # same inputs but the gate parameters
+        assert peers.fast_decay(x["g"], x["A_log"], x["dt_bias"]) < 0.3
+
+
 def test_gate_params_rejects_unknown_regime():
     with pytest.raises(ValueError, match="gate regime must be one of"):
-        peers.gate_params("fast", 2, 128, "cpu")
+        peers.gate_params("fastest", 2, 128, "cpu")
 
 
 def test_reference_heads_respect_gva_groups():
@@ -189,7 +200,7 @@ def test_plan_rows_cover_the_issue_and_select():
         assert want in descs
     assert any(r.shape.varlen and max(r.shape.varlen) >= 8 * min(r.shape.varlen) for r in rows)
     assert any(r.shape.varlen == (256,) * 64 and r.shape.H == 32 for r in rows)
-    assert {r.regime for r in rows if not r.train} == {"random", "slow"}
+    assert {r.regime for r in rows if not r.train} == {"random", "slow", "fast"}
     assert {r.shape.desc for r in rows if r.train} == {"B=2 T=4096 H=32", "B=1 T=8192 H=32"}
     sel = peers.plan_rows(rows=["H=8 |"], regimes=("slow",))
     assert [r.desc for r in sel] == ["chunk_kda peers | B=1 T=8192 H=8 | slow"]
