@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small grid, mostly decode (~5 min on an H200)")
     p.add_argument("--out", help="directory for the report and the JSON (default: repo root + benchmarks/results)")
-    p.add_argument("--tag", default="H200", help="report suffix (default H200)")
+    p.add_argument("--tag", default=None, help="report suffix (default: the GPU's, e.g. H200)")
     p.add_argument("--only", nargs="+", help="bench names (substring match), e.g. 'kda decode'")
     p.add_argument("--modes", nargs="+", choices=("eager", "graph", "graph_warm", "fwdbwd"), help="only these modes")
     p.add_argument("--impls", nargs="+", choices=("fla", "fla_cula"), default=["fla", "fla_cula"])
@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
 
     header["wall time"] = f"{time.perf_counter() - t_start:.0f} s"
+    args.tag = report.resolve_tag(args.tag)
     if args.out:
         md = os.path.join(args.out, f"BENCHMARK_{args.tag}.md")
         js = os.path.join(args.out, f"benchmark_{args.tag}.json")
@@ -160,6 +161,7 @@ def report_main(argv: list[str]) -> int:
     runs = report.load_runs(a.json)
     for path in a.add:
         new = report.load_records(path)
+        report.check_same_gpu(records, new, f"{a.json} (merging {path})")
         drop = report.grid_drop(new)   # as python -m benchmarks does: the benches this run timed
         records = report.merge_records([r for r in records if not drop(r)], new)
         runs.update(report.load_runs(path))

@@ -523,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=None,
                    help="timed runs per side (default: DEFAULT_REPS per row kind; generate: half + 1, at least 3)")
     p.add_argument("--out", help="directory for BENCHMARK_<tag>.md and benchmark_<tag>.json (merged into)")
-    p.add_argument("--tag", default="H200")
+    p.add_argument("--tag", default=None, help="report suffix (default: the GPU's, e.g. H200)")
     p.add_argument("--budget", type=float, default=None, help="seconds: start no new row after this")
     p.add_argument("--list", action="store_true")
     a = p.parse_args(argv)
@@ -542,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cuda", torch.cuda.current_device())
     header = run_header("python -m benchmarks model", argv)
+    a.tag = report.resolve_tag(a.tag)
     md, js = output_paths(a.out, a.tag)
     t_start = time.perf_counter()
     models: dict[int, tuple] = {}

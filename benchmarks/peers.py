@@ -8,7 +8,8 @@ sigmoid, state_v_first, fp32 initial state given, final state returned):
     fla_cula                fla_cula.chunk_kda; its route is recorded ("kernel" or "fallback: why")
     cudnn:kda_hopper_cuda   cudnn.linear_attention.ops.kimi_delta_attention, plan pinned (NVRTC CUDA C++)
     cudnn:kda_hopper        the same op, CuTe DSL plan pinned
-    flash_kda               flash_kda.fwd (FlashKDA, tokenspeed-flashkda wheel)
+    flash_kda               flash_kda.fwd (FlashKDA: the tokenspeed-flashkda wheel, or scripts/build_flashkda.sh's
+                            source build where the wheel does not match torch's C++ ABI)
 
 Peers are an optional extra (``pip install fla-cula[peers]``) and are imported lazily: a missing
 package, a plan the peer declines or a call that raises becomes a record with ``status``
@@ -533,8 +534,12 @@ def roofline_fill(rec: dict, ceilings: dict) -> None:
 
 
 def versions() -> dict[str, str]:
-    return {"nvidia-cudnn-frontend": peer_version("nvidia-cudnn-frontend") or "not installed",
-            "tokenspeed-flashkda": peer_version("tokenspeed-flashkda") or "not installed"}
+    v = {"nvidia-cudnn-frontend": peer_version("nvidia-cudnn-frontend") or "not installed",
+         "tokenspeed-flashkda": peer_version("tokenspeed-flashkda") or "not installed"}
+    src = peer_version("flash_kda")  # scripts/build_flashkda.sh: a source build installed over the wheel's package
+    if src:
+        v["flash_kda"] = f"{src} (source build; it is what `import flash_kda` runs)"
+    return v
 
 
 def expected_seconds(rows: list[Row]) -> float:
@@ -571,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ref-heads", type=int, default=REF_HEADS, help="value heads checked against fp64")
     p.add_argument("--eager-budget", type=float, default=0.3, help="seconds per eager measurement")
     p.add_argument("--out", help="directory for BENCHMARK_<tag>.md and benchmark_<tag>.json (merged into)")
-    p.add_argument("--tag", default="H200")
+    p.add_argument("--tag", default=None, help="report suffix (default: the GPU's, e.g. H200)")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds: start no new row after this (the rows left are named in the report header)")
     p.add_argument("--list", action="store_true", help="print the rows and exit")
@@ -592,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     header = run_header("python -m benchmarks prefill", argv)
     header.update(versions())
+    a.tag = report.resolve_tag(a.tag)
     md, js = output_paths(a.out, a.tag)
     t_start = time.perf_counter()
     print(f"benchmarks prefill: {len(rows)} rows x {len(impls)} impls on {header['gpu']}; "

@@ -356,6 +356,35 @@ def record_key(r: dict) -> tuple:
     return (r.get("bench"), r.get("shape"), r.get("mode"), r.get("impl"), r.get("regime"))
 
 
+def device_tag(gpu_name: str | None) -> str:
+    """The report suffix of a GPU (BENCHMARK_<tag>.md, results/<tag>.json): H100 / H200 / the name's alphanumerics;
+    H200 where there is no GPU (a CPU run: --list, report regeneration)."""
+    if not gpu_name:
+        return "H200"
+    for t in ("H200", "H100", "H20", "B200", "GB200"):
+        if t in gpu_name.upper().split() or f"{t} " in gpu_name.upper() + " ":
+            return t
+    return "".join(ch for ch in gpu_name if ch.isalnum())[:24] or "GPU"
+
+
+def resolve_tag(tag: str | None) -> str:
+    """--tag as given, else the current CUDA device's (`device_tag`)."""
+    if tag:
+        return tag
+    import torch
+
+    return device_tag(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+
+
+def check_same_gpu(old: list[dict], new: list[dict], where: str) -> None:
+    """A report holds one GPU's numbers: refuse to merge records measured on another card (ValueError)."""
+    had = {device_tag(r["gpu"]) for r in old if r.get("gpu")}
+    got = {device_tag(r["gpu"]) for r in new if r.get("gpu")}
+    if had and got and not got <= had:
+        raise ValueError(f"{where}: expected records measured on {sorted(had)}, got {sorted(got - had)}: "
+                         f"write them to their own report (--tag / --json / --md)")
+
+
 def merge_records(old: list[dict], new: list[dict]) -> list[dict]:
     """`old` with every record of the same key (bench, shape, mode, impl, regime) replaced by
     `new`'s, new keys appended in their order."""
@@ -381,6 +410,7 @@ def write_merged(new: list[dict], header: dict, ceilings: dict, benches_meta: di
     """Merge `new` into json_path's records (after removing the old ones `drop` selects) and
     rewrite both files (the JSON atomically)."""
     old = load_records(json_path)
+    check_same_gpu(old, new, json_path)
     if drop is not None:
         old = [r for r in old if not drop(r)]
     records = merge_records(old, new)

@@ -417,3 +417,25 @@ def test_model_paired_range():
     assert report.paired_range({"samples_ms": [2.0]}, {"samples_ms": [1.0]}) is None
     assert report.paired_range({}, {"samples_ms": [1.0, 2.0]}) is None
     assert bmodel.DEFAULT_REPS.keys() == set(bmodel.ROWS)
+
+
+# ---------------------------------------------------------------------------------------------
+# one GPU per report
+def test_device_tag_names_the_card():
+    assert breport.device_tag("NVIDIA H200") == "H200"
+    assert breport.device_tag("NVIDIA H100 80GB HBM3") == "H100"
+    assert breport.device_tag(None) == "H200"
+    assert breport.device_tag("NVIDIA A100-SXM4-80GB") == "NVIDIAA100SXM480GB"
+    assert breport.resolve_tag("X1") == "X1"
+
+
+def test_merge_refuses_records_of_another_gpu(tmp_path):
+    js, md = str(tmp_path / "H200.json"), str(tmp_path / "B.md")
+    h200 = [dict(_peer_rec("fla", 2.0), gpu="NVIDIA H200")]
+    breport.write_merged(h200, {}, {}, {}, md, js, "t")
+    with pytest.raises(ValueError, match="H100"):
+        breport.write_merged([dict(_peer_rec("fla", 1.0), gpu="NVIDIA H100 80GB HBM3")], {}, {}, {}, md, js, "t")
+    assert breport.load_records(js)[0]["ms"] == 2.0  # untouched
+    breport.write_merged([dict(_peer_rec("fla", 1.5), gpu="NVIDIA H200 (SM 9.0, 132 SMs, 139 GiB)")], {}, {}, {}, md,
+                         js, "t")  # the same card, another memory reading
+    assert breport.load_records(js)[0]["ms"] == 1.5
