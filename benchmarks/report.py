@@ -361,8 +361,9 @@ def device_tag(gpu_name: str | None) -> str:
     H200 where there is no GPU (a CPU run: --list, report regeneration)."""
     if not gpu_name:
         return "H200"
-    for t in ("H200", "H100", "H20", "B200", "GB200"):
-        if t in gpu_name.upper().split() or f"{t} " in gpu_name.upper() + " ":
+    words = set(gpu_name.upper().split())
+    for t in ("H200", "H100", "H20", "GB200", "B200"):
+        if t in words:
             return t
     return "".join(ch for ch in gpu_name if ch.isalnum())[:24] or "GPU"
 

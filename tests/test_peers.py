@@ -425,6 +425,7 @@ def test_device_tag_names_the_card():
     assert breport.device_tag("NVIDIA H200") == "H200"
     assert breport.device_tag("NVIDIA H100 80GB HBM3") == "H100"
     assert breport.device_tag(None) == "H200"
+    assert breport.device_tag("NVIDIA H20") == "H20" and breport.device_tag("NVIDIA GB200") == "GB200"
     assert breport.device_tag("NVIDIA A100-SXM4-80GB") == "NVIDIAA100SXM480GB"
     assert breport.resolve_tag("X1") == "X1"
 
