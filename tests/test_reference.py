@@ -25,6 +25,7 @@ import torch
 from fla_cula.reference import (
     fla_close,
     kda_decode_pool,
+    kda_forget_bound,
     kda_gate,
     kda_recurrent,
     lightning_g_gamma,
@@ -863,3 +864,57 @@ def test_matches_fla_triton_kernel_interpreted(interpreted, name):
     o, ht = INTERP_CASES[name][3]()
     assert fla_close(o, o_fla, 1e-5) and rel_rms(o, o_fla) < 1e-5
     assert fla_close(ht, pool_fla if pool_fla is not None else ht_fla, 1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# the forget bound (a sequence split's certificate for starting a segment early from a zero state)
+def _forget_case(regime: str, T: int = 256, HV: int = 4, K: int = 128, seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    A_log = torch.log(torch.empty(HV, dtype=F64).uniform_(1, 16, generator=g))
+    dt_bias = 0.5 * torch.randn(HV, K, dtype=F64, generator=g)
+    if regime == "fast":
+        A_log, dt_bias = torch.zeros_like(A_log), torch.zeros_like(dt_bias)
+    if regime == "slow":
+        dt_bias[:, : K // 4] = -13.0
+    x = dict(q=torch.randn(1, T, HV, K, dtype=F64, generator=g), k=torch.randn(1, T, HV, K, dtype=F64, generator=g),
+             v=torch.randn(1, T, HV, K, dtype=F64, generator=g), g=torch.randn(1, T, HV, K, dtype=F64, generator=g),
+             beta=torch.randn(1, T, HV, dtype=F64, generator=g))
+    return x, A_log, dt_bias.reshape(-1)
+
+
+@pytest.mark.parametrize("regime", ["fast", "random", "slow"])
+def test_forget_bound_holds_and_separates_the_gate_regimes(regime):
+    """Two runs over the same w chunks from different start states end within 2^(sum of the chunks' bounds) of each
+    other (the spectral-norm argument of kda_forget_bound); fast-decaying gates certify 2^-24 in one chunk, the gates
+    of FLA's tests and of trained models (a slow channel) do not certify it in four."""
+    x, A_log, dt_bias = _forget_case(regime)
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0,
+              use_beta_sigmoid_in_kernel=True, output_final_state=True)
+    g = torch.Generator().manual_seed(11)
+    S0, S1 = (torch.randn(1, 4, 128, 128, dtype=F64, generator=g) for _ in range(2))
+    b = kda_forget_bound(kda_gate(x["g"], A_log, dt_bias, -5.0))       # [1, 4, HV]
+    assert b.shape == (1, 4, 4) and bool((b <= 0).all())
+    for w in (1, 2, 4):
+        sl = {n: t[:, : 64 * w] for n, t in x.items()}
+        _, e0 = kda_recurrent(**sl, initial_state=S0, **kw)
+        _, e1 = kda_recurrent(**sl, initial_state=S1, **kw)
+        got = (e1 - e0).flatten(2).norm(dim=-1)[0]                       # [HV]
+        bound = torch.exp2(b[0, :w].sum(0)) * (S1 - S0).flatten(2).norm(dim=-1)[0]
+        assert bool((got <= bound * (1 + 1e-9)).all()), (w, got, bound)
+    one, four = b[0, 0], b[0].sum(0)
+    if regime == "fast":
+        assert bool((b < -24).all()), b
+    elif regime == "random":  # a head whose slowest channel (exp(A_log) large, dt_bias < 0) barely decays
+        assert bool((four > -24).any()), four
+    else:
+        assert bool((four > -4).all()), four   # 1 - exp(a) < 0.01 per token on a quarter of the channels
+    assert bool((one >= four).all())
+
+
+def test_forget_bound_tail_chunk_and_shape():
+    a = -torch.rand(2, 70, 3, 8, dtype=F64)
+    b = kda_forget_bound(a, chunk=64)
+    assert b.shape == (2, 2, 3)
+    want_tail = a[:, 64:].amax(-1).sum(1) / math.log(2)
+    assert torch.allclose(b[:, 1], want_tail)
+

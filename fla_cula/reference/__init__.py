@@ -11,12 +11,13 @@ its inputs. The math and the tensor layouts are documented in each module:
 """
 
 from .compare import fla_close, rel_rms
-from .kda import kda_decode_pool, kda_gate, kda_recurrent, softplus
+from .kda import kda_decode_pool, kda_forget_bound, kda_gate, kda_recurrent, softplus
 from .lightning import lightning_g_gamma, lightning_recurrent, simple_gla_recurrent
 
 __all__ = [
     "fla_close",
     "kda_decode_pool",
+    "kda_forget_bound",
     "kda_gate",
     "kda_recurrent",
     "lightning_g_gamma",

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["kda_decode_pool", "kda_gate", "kda_recurrent", "softplus"]
+__all__ = ["kda_decode_pool", "kda_forget_bound", "kda_gate", "kda_recurrent", "softplus"]
 
 _F64 = torch.float64
 
@@ -79,6 +79,25 @@ def kda_gate(
         return -torch.exp(A) * softplus(x)
     z = torch.exp(A) * x if A is not None else x
     return float(lower_bound) * torch.sigmoid(z)
+
+
+def kda_forget_bound(a: torch.Tensor, chunk: int = 64) -> torch.Tensor:
+    """How much the recurrence forgets over each chunk, provably: b = sum over its tokens of max_d a_{t, d} / ln 2.
+
+    a: log decays [B, T, HV, K] (``kda_gate``'s output); returns float64 [B, ceil(T / chunk), HV] (log2 units, <= 0;
+    a tail chunk sums its tokens only). The homogeneous step S -> (I - beta_t k_t k_t^T) diag(exp(a_t)) S has spectral
+    norm <= max_d exp(a_{t, d}) when 0 <= beta_t |k_t|^2 <= 1 (beta in [0, 1], |k| <= 1: l2norm in kernel, no
+    allow_neg_eigval), so two runs over the same chunks from states S_0, S_0' end within 2^(sum of their b) |S_0 - S_0'|
+    (Frobenius). A sequence split may start a segment w chunks early from a zero state instead of its exact start when
+    that sum is small enough (docs/kda_sm90.md, "Session 22"). Taking the channel max after summing the tokens (as
+    cuDNN's kda_hopper_cuda certificate does) gives a smaller number that this argument does not cover.
+    """
+    B, T, HV, K = a.shape
+    m = a.to(_F64).amax(-1)                                        # [B, T, HV]: the slowest channel, per token
+    pad = (-T) % chunk
+    if pad:
+        m = torch.cat([m, m.new_zeros(B, pad, HV)], 1)
+    return m.view(B, -1, chunk, HV).sum(2) / torch.log(torch.tensor(2.0, dtype=_F64))
 
 
 # ----------------------------------------------------------------------------------------------
