@@ -901,14 +901,13 @@ def test_forget_bound_holds_and_separates_the_gate_regimes(regime):
         got = (e1 - e0).flatten(2).norm(dim=-1)[0]                       # [HV]
         bound = torch.exp2(b[0, :w].sum(0)) * (S1 - S0).flatten(2).norm(dim=-1)[0]
         assert bool((got <= bound * (1 + 1e-9)).all()), (w, got, bound)
-    one, four = b[0, 0], b[0].sum(0)
+    four = b[0].sum(0)
     if regime == "fast":
         assert bool((b < -24).all()), b
     elif regime == "random":  # a head whose slowest channel (exp(A_log) large, dt_bias < 0) barely decays
         assert bool((four > -24).any()), four
     else:
         assert bool((four > -4).all()), four   # 1 - exp(a) < 0.01 per token on a quarter of the channels
-    assert bool((one >= four).all())
 
 
 def test_forget_bound_tail_chunk_and_shape():

@@ -27,6 +27,8 @@ Options applied to the inputs first, as FLA's kernels do:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["kda_decode_pool", "kda_forget_bound", "kda_gate", "kda_recurrent", "softplus"]
@@ -97,7 +99,7 @@ def kda_forget_bound(a: torch.Tensor, chunk: int = 64) -> torch.Tensor:
     pad = (-T) % chunk
     if pad:
         m = torch.cat([m, m.new_zeros(B, pad, HV)], 1)
-    return m.view(B, -1, chunk, HV).sum(2) / torch.log(torch.tensor(2.0, dtype=_F64))
+    return m.view(B, -1, chunk, HV).sum(2) / math.log(2.0)
 
 
 # ----------------------------------------------------------------------------------------------
