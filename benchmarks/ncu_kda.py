@@ -1,0 +1,86 @@
+"""Nsight Compute on the KDA prefill's passes (H200): where the prep and state kernels' time goes.
+
+    python -m benchmarks.ncu_kda --out DIR [--shape 2 8192 64] [--regime random]
+
+Runs ``ncu`` over a child process that calls ``kda_prefill.run`` (the peers benchmark's inputs, FLA's layer flags)
+twice and profiles the second call's kernels whose names match ``--kernels``. Per kernel it prints the sections that
+name the limiter (speed of light, pipe utilization, shared-memory wavefronts and bank conflicts, warp stall reasons,
+occupancy) and saves the full report (``DIR/kda.ncu-rep``, open it in the Nsight Compute GUI for the source view).
+A measuring tool for docs/kda_sm90.md, not part of the benchmark report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+
+SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "MemoryWorkloadAnalysis_Tables",
+            "WarpStateStats", "SchedulerStats", "Occupancy", "LaunchStats", "InstructionStats", "SourceCounters")
+
+
+def child(B: int, T: int, H: int, regime: str) -> None:
+    import torch
+
+    from benchmarks.peers import make_inputs
+    from benchmarks.registry import Shape
+    from fla_cula.kernels import kda_prefill as kp
+    from fla_cula.ops.chunk_autograd import KDAChunkConfig
+
+    dev = torch.device("cuda")
+    cfg = KDAChunkConfig(scale=128 ** -0.5, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False,
+                         safe_gate=True, lower_bound=-5.0, state_v_first=True, chunk_size=64,
+                         disable_recompute=False, return_intermediate_states=False, cp=False, use_graph=False)
+    x = make_inputs(Shape(B, T, H, H), regime, dev)
+    with torch.inference_mode():
+        for _ in range(2):  # the first call compiles / loads; ncu skips its launches (--launch-skip)
+            kp.run(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["initial_state"],
+                   x["cu_seqlens"], x["cu_seqlens_cpu"], cfg)
+        torch.cuda.synchronize()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.ncu_kda", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--shape", nargs=3, type=int, default=(2, 8192, 64), metavar=("B", "T", "H"))
+    p.add_argument("--regime", choices=("random", "slow", "fast"), default="random")
+    p.add_argument("--kernels", default="regex:kda_(prep|state)_kernel")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        child(*args.shape, args.regime)
+        return 0
+    ncu = shutil.which("ncu") or next((c for c in ("/usr/local/cuda/bin/ncu", "/opt/nvidia/nsight-compute/ncu")
+                                       if os.path.exists(c)), None)
+    if ncu is None:
+        print("ncu_kda: no ncu on this machine", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    rep = os.path.join(args.out, "kda")
+    # prep and state run once per call: skip the first call's two launches, profile the second's
+    cmd = [ncu, "--kernel-name", args.kernels, "--launch-skip", "2", "--launch-count", "2", "--import-source", "yes",
+           "-f", "-o", rep] + [a for s in SECTIONS for a in ("--section", s)]
+    cmd += [sys.executable, "-m", "benchmarks.ncu_kda", "--child", "--out", args.out, "--shape",
+            *map(str, args.shape), "--regime", args.regime]
+    print(" ".join(cmd), flush=True)
+    rc = subprocess.run(cmd).returncode
+    if rc != 0:
+        return rc
+    shown = [a for s in SECTIONS if s != "SourceCounters" for a in ("--section", s)]
+    text = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--page", "details", "--print-units", "base"] + shown,
+                          capture_output=True, text=True).stdout
+    with open(os.path.join(args.out, "details.txt"), "w") as f:
+        f.write(text)
+    src = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--page", "source", "--csv", "--print-source", "sass"],
+                         capture_output=True, text=True).stdout
+    with open(os.path.join(args.out, "source_sass.csv"), "w") as f:
+        f.write(src)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

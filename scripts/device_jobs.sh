@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Named device jobs, one call's worth each, logs and reports under OUT (the device tool's $OUT).
+# Kept in git so the next session's calls do not depend on untracked scripts.
+#
+#   source .gpu/b/env.sh   (first working call; later calls: source /opt/gpu-env.sh)
+#   FLA_CULA_COMMIT=<hash> bash scripts/device_jobs.sh "$OUT" build conv model
+#   (peers need carry .gpu/c [.gpu/fk]:  FLA_CULA_COMMIT=<hash> bash scripts/device_jobs.sh "$OUT" peers)
+#
+# jobs:
+#   build   the C++ extension in place (a cut build's leftovers are removed)
+#   conv    strict conv-update GPU tests (xdist when present)
+#   kda     strict KDA prefill and training-path GPU tests
+#   model   python -m benchmarks model, 4 and 24 layers, every row
+#   peers   python -m benchmarks prefill --peers (cuDNN from .gpu/c, FlashKDA's source build from .gpu/fk)
+#   ncu     Nsight Compute on kda_prep / kda_state (benchmarks/ncu_kda.py), reports under OUT/ncu
+#   flatests FLA's test_kda.py chunk cases through the plugin (.flatests/, docs/measuring.md)
+# A short table of each job's status and time is printed last.
+set -u
+OUT="${1:?usage: scripts/device_jobs.sh OUT JOB...}"; shift
+mkdir -p "$OUT"; OUT="$(cd "$OUT" && pwd)"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export FLA_CULA_COMMIT="${FLA_CULA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+export TRITON_CACHE_DIR="$HOME/.triton/cache" TRITON_CACHE_AUTOTUNING=1
+if [[ ! -f $HOME/.triton/.restored ]]; then
+  for tgz in .tcache/triton_autotune.tgz benchmarks/results/triton_autotune_H200.tgz; do
+    [[ -f $tgz ]] && mkdir -p "$HOME/.triton" && tar xzf "$tgz" -C "$HOME/.triton" && touch "$HOME/.triton/.restored" && break
+  done
+fi
+XDIST=""; python -c "import xdist" 2>/dev/null && XDIST="-n ${PYTEST_WORKERS:-8}"
+declare -a SUMMARY
+
+job() {  # job NAME LIMIT CMD...: output to OUT/NAME.log, the last lines echoed
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "===== [$name] $*"
+  timeout --signal=INT --kill-after=20 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$? st=ok
+  [[ $rc -eq 124 || $rc -eq 137 ]] && st=TIMEOUT
+  [[ $rc -ne 0 && $st == ok ]] && st="FAIL($rc)"
+  tail -n "${TAIL:-6}" "$OUT/$name.log" | cut -c1-240
+  SUMMARY+=("$(printf '%-9s %-9s %5ss' "$name" "$st" $((SECONDS - t0)))")
+}
+
+for j in "$@"; do
+  case $j in
+    build)
+      job build "${T_BUILD:-240}" python setup.py build_ext --inplace
+      [[ ${SUMMARY[-1]} == *" ok "* ]] || rm -rf build fla_cula/_C*.so ;;
+    conv)
+      job conv "${T_CONV:-200}" env FLA_CULA_STRICT=1 python -m pytest tests/gpu/test_conv_update.py -q -rfE \
+        -p no:cacheprovider $XDIST ;;
+    kda)
+      job kda "${T_KDA:-400}" env FLA_CULA_STRICT=1 python -m pytest tests/gpu/test_kda_prefill.py \
+        tests/gpu/test_training_path.py -q -rfE -p no:cacheprovider $XDIST ${KDA_ARGS:-} ;;
+    model)
+      job model "${T_MODEL:-420}" python -m benchmarks model --layers 4 24 --out "$OUT" ${MODEL_ARGS:-} ;;
+    peers)
+      [[ -f .gpu/c/peers.sh ]] && source .gpu/c/peers.sh
+      [[ -f /opt/peers.sh ]] && source /opt/peers.sh
+      [[ -f .gpu/fk/install.sh ]] && source .gpu/fk/install.sh
+      job peers "${T_PEERS:-480}" python -m benchmarks prefill --peers --out "$OUT" ${PEERS_ARGS:-} ;;
+    ncu)
+      mkdir -p "$OUT/ncu"
+      job ncu "${T_NCU:-400}" python -m benchmarks.ncu_kda --out "$OUT/ncu" ${NCU_ARGS:-} ;;
+    flatests)
+      job flatests "${T_FLATESTS:-500}" env FLA_CULA=1 FLA_CULA_FORCE=1 timeout -s INT $(( ${T_FLATESTS:-500} - 20 )) \
+        python -m pytest -p fla_cula.testing.plugin -p no:cacheprovider -q -rfE .flatests/tests/ops/test_kda.py \
+        -k "chunk and not cp and not flash and not naive" ;;
+    *) echo "unknown job $j"; SUMMARY+=("$j unknown") ;;
+  esac
+done
+( cd "$HOME/.triton" 2>/dev/null && find cache -name "*.autotune.json" | tar czf "$OUT/triton_autotune.tgz" -T - ) 2>/dev/null
+echo "===== device_jobs ($FLA_CULA_COMMIT) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
+printf '%s\n' "${SUMMARY[@]}"
