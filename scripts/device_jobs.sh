@@ -14,6 +14,9 @@
 #   peers   python -m benchmarks prefill --peers (cuDNN from .gpu/c, FlashKDA's source build from .gpu/fk)
 #   ncu     Nsight Compute on kda_prep / kda_state (benchmarks/ncu_kda.py), reports under OUT/ncu
 #   flatests FLA's test_kda.py chunk cases through the plugin (.flatests/, docs/measuring.md)
+#   abbuild  a copy of this tree with the patch AB_PATCH applied, built, in /tmp/ab_new
+#   abkda    the kda job's tests on /tmp/ab_new
+#   ab       benchmarks.kda_variants (AB_ARGS) in this tree and in /tmp/ab_new, alternating, AB_ROUNDS times each
 # A short table of each job's status and time is printed last.
 set -u
 OUT="${1:?usage: scripts/device_jobs.sh OUT JOB...}"; shift
@@ -67,6 +70,21 @@ for j in "$@"; do
       job flatests "${T_FLATESTS:-500}" env FLA_CULA=1 FLA_CULA_FORCE=1 timeout -s INT $(( ${T_FLATESTS:-500} - 20 )) \
         python -m pytest -p fla_cula.testing.plugin -p no:cacheprovider -q -rfE .flatests/tests/ops/test_kda.py \
         -k "chunk and not cp and not flash and not naive" ;;
+    abbuild)
+      rm -rf /tmp/ab_new && mkdir -p /tmp/ab_new && tar cf - --exclude=./.gpu --exclude=./build . | tar xf - -C /tmp/ab_new
+      job abbuild "${T_BUILD:-240}" bash -c "cd /tmp/ab_new && patch -p1 < '$PWD/${AB_PATCH:?AB_PATCH}' && rm -rf build fla_cula/_C*.so && python setup.py build_ext --inplace" ;;
+    abkda)
+      job abkda "${T_KDA:-400}" bash -c "cd /tmp/ab_new && PYTHONPATH=/tmp/ab_new:$PYTHONPATH FLA_CULA_STRICT=1 python -m pytest tests/gpu/test_kda_prefill.py -q -rfE -p no:cacheprovider $XDIST ${KDA_ARGS:-}" ;;
+    ab)
+      ab() {
+        for r in $(seq "${AB_ROUNDS:-2}"); do
+          for t in "$PWD" /tmp/ab_new; do
+            echo "## round $r: $t"
+            (cd "$t" && PYTHONPATH="$t:$PYTHONPATH" python -m benchmarks.kda_variants ${AB_ARGS:-}) || return 1
+          done
+        done
+      }
+      TAIL=${TAIL:-40} job ab "${T_AB:-400}" bash -c "$(declare -f ab); ab" ;;
     *) echo "unknown job $j"; SUMMARY+=("$j unknown") ;;
   esac
 done
