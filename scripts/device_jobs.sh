@@ -15,6 +15,7 @@
 #   ncu     Nsight Compute on kda_prep / kda_state (benchmarks/ncu_kda.py), reports under OUT/ncu
 #   flatests FLA's test_kda.py chunk cases through the plugin (.flatests/, docs/measuring.md)
 #   abbuild  a copy of this tree with the patch AB_PATCH applied, built, in /tmp/ab_new
+#   builds   build and abbuild side by side (one job)
 #   abkda    the kda job's tests on /tmp/ab_new
 #   ab       benchmarks.kda_variants (AB_ARGS) in this tree and in /tmp/ab_new, alternating, AB_ROUNDS times each
 # A short table of each job's status and time is printed last.
@@ -73,6 +74,18 @@ for j in "$@"; do
     abbuild)
       rm -rf /tmp/ab_new && mkdir -p /tmp/ab_new && tar cf - --exclude=./.gpu --exclude=./build . | tar xf - -C /tmp/ab_new
       job abbuild "${T_BUILD:-240}" bash -c "cd /tmp/ab_new && patch -p1 < '$PWD/${AB_PATCH:?AB_PATCH}' && rm -rf build fla_cula/_C*.so && python setup.py build_ext --inplace" ;;
+    builds)
+      rm -rf /tmp/ab_new && mkdir -p /tmp/ab_new && tar cf - --exclude=./.gpu --exclude=./build . | tar xf - -C /tmp/ab_new
+      builds() {
+        python setup.py build_ext --inplace > "$OUT/build.log" 2>&1 &
+        local a=$!
+        (cd /tmp/ab_new && patch -p1 < "$1" && rm -rf build fla_cula/_C*.so && python setup.py build_ext --inplace) \
+          > "$OUT/abbuild.log" 2>&1
+        local rb=$?
+        wait $a && return $rb
+      }
+      job builds "${T_BUILD:-240}" bash -c "OUT=$OUT; $(declare -f builds); builds '$PWD/${AB_PATCH:?AB_PATCH}'"
+      [[ ${SUMMARY[-1]} == *" ok "* ]] || rm -rf build fla_cula/_C*.so /tmp/ab_new/build /tmp/ab_new/fla_cula/_C*.so ;;
     abkda)
       job abkda "${T_KDA:-400}" bash -c "cd /tmp/ab_new && PYTHONPATH=/tmp/ab_new:$PYTHONPATH FLA_CULA_STRICT=1 python -m pytest tests/gpu/test_kda_prefill.py -q -rfE -p no:cacheprovider $XDIST ${KDA_ARGS:-}" ;;
     ab)
