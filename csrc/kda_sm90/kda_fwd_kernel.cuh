@@ -110,7 +110,7 @@ struct SharedStorage {
   int anc_a[4][kK];                          // A_r = ceil(G_16r)
   int anc_b[4][kK];                          // B_s = floor(G_16(s+1)), B_3 = floor(G_63)
   alignas(16) float blk[4][kK];              // per-channel gate sums of each 16-row block (cumsum offsets)
-  alignas(16) float pw[kPairs][kK];          // 2^(A_r - B_s) per channel for the pair (r, s <= r) of phase 4
+  alignas(16) uint32_t pw[kPairs][kK / 2];   // bf16 pairs 2^(A_r - B_s) of channels (d, d + 1), pair (r, s <= r)
 };
 
 // The prep kernel's layout (kda_prep_kernel; docs/kda_sm90.md "Lean prep"): no state tiles, no G tile (G stays in
@@ -151,7 +151,7 @@ struct PrepStorage {
   int anc_a[4][kK];
   int anc_b[4][kK];
   alignas(16) float blk[4][kK];
-  alignas(16) float pw[kPairs][kK];
+  alignas(16) uint32_t pw[kPairs][kK / 2];
 };
 
 // The state kernel's layout (kda_state_kernel): the operand tiles of phases 7-8, every one live across the chunk, no
@@ -297,18 +297,23 @@ __device__ __forceinline__ void zero(float (&acc)[NT][4]) {
   for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 }
 
-// 2^e as fp32 for an integer e <= 127 (0 below the normal range: the product it scales is < 2^-126 there).
+// 2^e for an integer e <= 127, as fp32 and as a bf16 bit pattern (bf16 has fp32's exponent range); 0 below the
+// normal range: the product it scales is < 2^-126 there.
 __device__ __forceinline__ float pow2i(int e) {
   e = e > 127 ? 127 : e;
   return e < -126 ? 0.f : __int_as_float((e + 127) << 23);
 }
+__device__ __forceinline__ uint32_t pow2i_bf16(int e) {
+  e = e > 127 ? 127 : e;
+  return e < -126 ? 0u : uint32_t(e + 127) << 7;
+}
 
-// bf16 pair times (s0, s1), exact for powers of two with a normal result.
-__device__ __forceinline__ uint32_t scale_pair(uint32_t x, float s0, float s1) {
-  __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&x);
-  float2 f = __bfloat1622float2(v);
-  __nv_bfloat162 r = __floats2bfloat162_rn(f.x * s0, f.y * s1);
-  return *reinterpret_cast<uint32_t*>(&r);
+// bf16 pair times a bf16 pair of powers of two (one mul.rn.bf16x2): the exact product, rounded once, so the same
+// bits as rounding the fp32 product.
+__device__ __forceinline__ uint32_t scale_pair(uint32_t x, uint32_t s) {
+  __nv_bfloat162 const r = __hmul2_rn(*reinterpret_cast<__nv_bfloat162 const*>(&x),
+                                      *reinterpret_cast<__nv_bfloat162 const*>(&s));
+  return *reinterpret_cast<uint32_t const*>(&r);
 }
 
 // The low / high bf16 of a packed pair as fp32 (exact: bf16 is the top half of an fp32).
@@ -382,6 +387,20 @@ __device__ __forceinline__ void stmatrix_x4_trans(bf16* row, uint32_t r0, uint32
   asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(s), "r"(r0), "r"(r1),
                "r"(r2), "r"(r3)
                : "memory");
+#endif
+}
+
+// ldmatrix.sync.aligned.m8n8.x4: the warp loads four 8x8 bf16 tiles. Lane 8 i + j gives the address of row j of
+// tile i (8 consecutive bf16, 16-byte aligned); register i receives row l / 4, columns 2 (l % 4) and + 1 of tile i:
+// with tiles (rows 0-7 | 8-15) x (k 0-7 | 8-15) an m16n8k16 A fragment, with (n 0-7, k 0-7 | 8-15) two B fragments.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], bf16 const* row) {
+#ifdef FLA_CULA_KDA_HOST_EMULATION
+  kda_emulated_ldmatrix(r, row);
+#else
+  unsigned const s = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
 #endif
 }
 
@@ -967,7 +986,8 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       float2 Gr[kBC];
       {
         int const r = tid >> 6, d = 2 * (tid & 63);
-        float const lbl = p.lower_bound * kLog2e, ea = sm.expA, b0 = sm.dtb[d], b1 = sm.dtb[d + 1];
+        // sigmoid(z) = 1 / (1 + 2^(c g + c b)) with c = -exp(A_log) log2(e): one fma per gate
+        float const lbl = p.lower_bound * kLog2e, c = -sm.expA * kLog2e, cb0 = c * sm.dtb[d], cb1 = c * sm.dtb[d + 1];
         float2 acc = make_float2(0.f, 0.f);
 #pragma unroll
         for (int u = 0; u < kBC; ++u) {
@@ -975,8 +995,8 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
           float2 a = make_float2(0.f, 0.f);
           if (i < rows) {
             float2 const x = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u3.graw[i][d]));
-            a.x = lbl * sigmoidf_(ea * (x.x + b0));
-            a.y = lbl * sigmoidf_(ea * (x.y + b1));
+            a.x = lbl * rcp(1.f + ex2(fmaf(c, x.x, cb0)));
+            a.y = lbl * rcp(1.f + ex2(fmaf(c, x.y, cb1)));
           }
           acc.x += a.x;
           acc.y += a.y;
@@ -1069,10 +1089,12 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
 
       // ---- 3: block-anchored factors (exponents G - A_r <= 0, B_r - G <= 0); the per-channel block scalars
       //      2^(A_r - B_s) of the pairs (r, s <= r) for phase 4
-      for (int e = tid; e < kPairs * kK; e += kThreads) {
-        int const pr = e >> 7, d = e & (kK - 1);
+      for (int e = tid; e < kPairs * kK / 2; e += kThreads) {
+        int const pr = e >> 6, d = 2 * (e & (kK / 2 - 1));
         int const r = pr >= 6 ? 3 : pr >= 3 ? 2 : pr >= 1 ? 1 : 0, s = pr - r * (r + 1) / 2;
-        sm.pw[pr][d] = pow2i(sm.anc_a[r][d] - sm.anc_b[s][d]);
+        // stored where phase 4's lane t4 of k-step k0 reads its two pairs (d = k0 + 2 t4 and + 8) as one 8-byte word
+        sm.pw[pr][(d >> 4) * 8 + (d & 7) + ((d >> 3) & 1)] = pow2i_bf16(sm.anc_a[r][d] - sm.anc_b[s][d]) |
+                                                             pow2i_bf16(sm.anc_a[r][d + 1] - sm.anc_b[s][d + 1]) << 16;
       }
       uint32_t kg[2][kBC / 2];  // kPrep: Kg^T token pairs (i, i + 1) of channels d, d + 1, stored after phase 4
       if constexpr (kPass == kKdaPrep) {
@@ -1085,9 +1107,10 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
         unsigned char* const rc = record(chunk);
         bf16* const rec_qg = reinterpret_cast<bf16*>(rc + kRecQg);
         bf16* const rec_kdT = reinterpret_cast<bf16*>(rc + kRecKdT);
-        float const a0 = float(sm.anc_a[r][d]), a1 = float(sm.anc_a[r][d + 1]);
+        int const ia0 = sm.anc_a[r][d], ia1 = sm.anc_a[r][d + 1];
+        float const a0 = float(ia0), a1 = float(ia1), pa0 = pow2i(ia0), pa1 = pow2i(ia1);
         float const b0 = float(sm.anc_b[r][d]), b1 = float(sm.anc_b[r][d + 1]);
-        float const h0x = sm.g63[d], h0y = sm.g63[d + 1];
+        float const hb0 = ex2(sm.g63[d] - b0), hb1 = ex2(sm.g63[d + 1] - b1);  // 2^(G_63 - B_r)
         uint32_t kd[2][2];  // Kd^T rows d, d + 1: two token pairs (8 bytes of a row)
 #pragma unroll
         for (int u = 0; u < kBC; u += 2) {
@@ -1103,14 +1126,15 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
           store_pair(&ke_at(i + 1, d), k1.x * sk1 * ea10, k1.y * sk1 * ea11);
           store_pair(&sm.t3.Kf[i][d], k0.x * sk0 * fb00, k0.y * sk0 * fb01);
           store_pair(&sm.t3.Kf[i + 1][d], k1.x * sk1 * fb10, k1.y * sk1 * fb11);
-          // state-side (exponents <= 0)
-          float const e00 = ex2(G0.x), e01 = ex2(G0.y), e10 = ex2(G1.x), e11 = ex2(G1.y);
+          // state-side (exponents <= 0), from the anchored factors: 2^G = 2^(G - A_r) 2^A_r and
+          // 2^(G_63 - G) = 2^(B_r - G) 2^(G_63 - B_r) (the fused kernel's phase 5a forms the same products)
+          float const e00 = ea00 * pa0, e01 = ea01 * pa1, e10 = ea10 * pa0, e11 = ea11 * pa1;
           store_pair(rec_qg + sw128k<kC>(i, d), q0.x * sq0 * e00, q0.y * sq0 * e01);
           store_pair(rec_qg + sw128k<kC>(i + 1, d), q1.x * sq1 * e10, q1.y * sq1 * e11);
           kg[0][u / 2] = pack_bf16(k0.x * sk0 * e00, k1.x * sk1 * e10);
           kg[1][u / 2] = pack_bf16(k0.y * sk0 * e01, k1.y * sk1 * e11);
-          kd[0][(u >> 1) & 1] = pack_bf16(k0.x * sk0 * ex2(h0x - G0.x), k1.x * sk1 * ex2(h0x - G1.x));
-          kd[1][(u >> 1) & 1] = pack_bf16(k0.y * sk0 * ex2(h0y - G0.y), k1.y * sk1 * ex2(h0y - G1.y));
+          kd[0][(u >> 1) & 1] = pack_bf16(k0.x * sk0 * (fb00 * hb0), k1.x * sk1 * (fb10 * hb0));
+          kd[1][(u >> 1) & 1] = pack_bf16(k0.y * sk0 * (fb01 * hb1), k1.y * sk1 * (fb11 * hb1));
           if ((u & 3) == 2) {  // tokens kBC r + (u & 12) .. + 3 of rows d, d + 1
             st_global8(rec_kdT + sw128(d, kBC * r + (u & 12)), kd[0]);
             st_global8(rec_kdT + sw128(d + 1, kBC * r + (u & 12)), kd[1]);
@@ -1145,29 +1169,23 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
         float acc[2][4];
         zero(acc);
         {
-          // row fragment (row 16 r + g8 + 8 h, channel k0 + 2 t4 + 8 x) of Qe or Ke: padded rows, or (kWgmma) sw128k,
-          // where the row mod 8 is g8 and 2 t4 stays below the XORed bits
-          bf16 const* const A = kWgmma ? (is_l ? &sm.t2.Ke[0][0] : &sm.u3.t1[0][0]) + (16 * r + g8) * 64 + 2 * t4
-                                       : (is_l ? &sm.t2.Ke[16 * r][0] : &sm.u3.t1[16 * r][0]) + g8 * kLdK + 2 * t4;
-          auto arow = [&](int h, int k0, int x) -> bf16 const* {
-            int const kk = k0 + 8 * x;
-            if constexpr (kWgmma) return A + (kk >> 6) * kC * 64 + 8 * h * 64 + ((kk & 63) ^ (g8 << 3));
-            return A + 8 * h * kLdK + kk;
-          };
+          // ldmatrix rows: lane l reads tile l / 8 at row lr = l % 8 + 8 ((l / 8) % 2), channel k0 + 8 (l / 16) of
+          // Qe or Ke (padded rows, or (kWgmma) sw128k), and row 16 s + l % 8 + 8 (l / 16), channel k0 + 8 ((l / 8) % 2)
+          // of Kf (nt = l / 16)
+          int const lr = (lane & 7) + 8 * ((lane >> 3) & 1), lk = 8 * (lane >> 4);
+          bf16 const* const A = is_l ? &sm.t2.Ke[0][0] : &sm.u3.t1[0][0];
+          bf16 const* const B = &sm.t3.Kf[16 * s + (lane & 7) + 8 * (lane >> 4)][8 * ((lane >> 3) & 1)];
 #pragma unroll
           for (int k0 = 0; k0 < kK; k0 += 16) {
-            int const d = k0 + 2 * t4;
-            float2 const s01 = *reinterpret_cast<float2 const*>(&sm.pw[pr][d]);
-            float2 const s89 = *reinterpret_cast<float2 const*>(&sm.pw[pr][d + 8]);
-            uint32_t const a0 = scale_pair(ld32(arow(0, k0, 0)), s01.x, s01.y);
-            uint32_t const a1 = scale_pair(ld32(arow(1, k0, 0)), s01.x, s01.y);
-            uint32_t const a2 = scale_pair(ld32(arow(0, k0, 1)), s89.x, s89.y);
-            uint32_t const a3 = scale_pair(ld32(arow(1, k0, 1)), s89.x, s89.y);
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-              bf16 const* b = &sm.t3.Kf[16 * s + nt * 8 + g8][k0 + 2 * t4];
-              mma_bf16_16816(acc[nt], a0, a1, a2, a3, ld32(b), ld32(b + 8));
-            }
+            uint2 const sc = *reinterpret_cast<uint2 const*>(&sm.pw[pr][k0 / 2 + 2 * t4]);  // channels k0 + 2 t4 (+ 8)
+            uint32_t const s01 = sc.x, s89 = sc.y;
+            uint32_t a[4], b[4];
+            ldmatrix_x4(a, kWgmma ? A + sw128k<kC>(16 * r + lr, k0 + lk) : A + (16 * r + lr) * kLdK + k0 + lk);
+            ldmatrix_x4(b, B + k0);
+            uint32_t const a0 = scale_pair(a[0], s01), a1 = scale_pair(a[1], s01);
+            uint32_t const a2 = scale_pair(a[2], s89), a3 = scale_pair(a[3], s89);
+            mma_bf16_16816(acc[0], a0, a1, a2, a3, b[0], b[1]);
+            mma_bf16_16816(acc[1], a0, a1, a2, a3, b[2], b[3]);
           }
         }
 #pragma unroll
@@ -1231,13 +1249,19 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
           float2 const G1 = *reinterpret_cast<float2 const*>(&sm.u2.G[i + 1][d]);
           float2 const G63 = *reinterpret_cast<float2 const*>(&sm.u2.G[kC - 1][d]);
           auto const [q0, q1, k0, k1, sq0, sq1, sk0, sk1] = raw_pair(i, d);
-          float const e00 = ex2(G0.x), e01 = ex2(G0.y), e10 = ex2(G1.x), e11 = ex2(G1.y);  // e[token][channel]
+          // the prep's products (phase 3): 2^G = 2^(G - A_r) 2^A_r, 2^(G_63 - G) = 2^(B_r - G) 2^(G_63 - B_r)
+          int const r = i >> 4, ia0 = sm.anc_a[r][d], ia1 = sm.anc_a[r][d + 1];
+          float const a0 = float(ia0), a1 = float(ia1), pa0 = pow2i(ia0), pa1 = pow2i(ia1);
+          float const b0 = float(sm.anc_b[r][d]), b1 = float(sm.anc_b[r][d + 1]);
+          float const hb0 = ex2(G63.x - b0), hb1 = ex2(G63.y - b1);
+          float const e00 = ex2(G0.x - a0) * pa0, e01 = ex2(G0.y - a1) * pa1;  // e[token][channel]
+          float const e10 = ex2(G1.x - a0) * pa0, e11 = ex2(G1.y - a1) * pa1;
           store_pair(&t1_at(i, d), q0.x * sq0 * e00, q0.y * sq0 * e01);
           store_pair(&t1_at(i + 1, d), q1.x * sq1 * e10, q1.y * sq1 * e11);
           store_pair(&kgT_at(d, i), k0.x * sk0 * e00, k1.x * sk1 * e10);
           store_pair(&kgT_at(d + 1, i), k0.y * sk0 * e01, k1.y * sk1 * e11);
-          store_pair(&kdT_at(d, i), k0.x * sk0 * ex2(G63.x - G0.x), k1.x * sk1 * ex2(G63.x - G1.x));
-          store_pair(&kdT_at(d + 1, i), k0.y * sk0 * ex2(G63.y - G0.y), k1.y * sk1 * ex2(G63.y - G1.y));
+          store_pair(&kdT_at(d, i), k0.x * sk0 * (ex2(b0 - G0.x) * hb0), k1.x * sk1 * (ex2(b0 - G1.x) * hb0));
+          store_pair(&kdT_at(d + 1, i), k0.y * sk0 * (ex2(b1 - G0.y) * hb1), k1.y * sk1 * (ex2(b1 - G1.y) * hb1));
         }
       }
       __syncthreads();

@@ -429,20 +429,24 @@ def test_varlen(c, strict_mode, fla_fns):
 
 
 # V columns per CTA: 64 (two CTAs per pair, the prep recomputed) and 128 (one CTA) give the same bits: every
-# state column is the same arithmetic in either tiling (kda_prefill.block_v_for picks one per call)
+# state column is the same arithmetic in either tiling (kda_prefill.block_v_for picks one per call). The form is pinned:
+# left to the cost model, a call may take the fused kernel or the two-kernel form, split or not, at one width and
+# another at the other, and a split rounds other operands (test_two_kernel).
 BLOCK_V_CASES = {"T65-B1-vfirst": FIXED["T65-B1-vfirst"],
                  "GVA-H2-HV8-T1000-B2-vfirst": FIXED["GVA-H2-HV8-T1000-B2-vfirst"],
                  "empty-mid-i64": VARLEN["empty-mid-i64"], "long+short-i32": VARLEN["long+short-i32"]}
+BLOCK_V_FORMS = {"wgmma": dict(wgmma=True, two_kernel=False), "mma_sync": dict(wgmma=False, two_kernel=False),
+                 "two-kernel-P1": dict(wgmma=True, two_kernel=True, segments=1)}
 
 
-@pytest.mark.parametrize("wgmma", [True, False], ids=["wgmma", "mma_sync"])
+@pytest.mark.parametrize("form", list(BLOCK_V_FORMS))
 @pytest.mark.parametrize("c", _params(BLOCK_V_CASES, {"T65-B1-vfirst", "empty-mid-i64"}))
-def test_block_v_64_and_128_same_bits(c, wgmma, strict_mode, fla_fns):
+def test_block_v_64_and_128_same_bits(c, form, strict_mode, fla_fns):
     from fla_cula.kernels import kda_prefill
     outs = {}
     try:
         for bv in (64, 128):
-            kda_prefill.set_tuning(block_v=bv, wgmma=wgmma)
+            kda_prefill.set_tuning(block_v=bv, **BLOCK_V_FORMS[form])
             fla_cula.reset_status()                   # check_forward counts one routed call
             _, o, ht, _ = check_forward(c, fla_fns)   # each width passes the fp64 / FLA bars on its own
             outs[bv] = (o, ht)
