@@ -972,6 +972,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       if (prefetch) issue_record(chunk + 1, rec_b_begin, kKdaRecBytes);
     }
   } else {
+    // ---- chunk loop (fused, prep): phases 2-6 (kPrep: then the record), or 2-8 (fused), per chunk
     for (int chunk = c_lo; chunk < c_hi; ++chunk) {
       int64_t const tok0 = bos + int64_t(chunk) * kC;
       int const rows = chunk_rows(chunk);
