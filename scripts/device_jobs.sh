@@ -16,7 +16,7 @@
 #   flatests FLA's test_kda.py chunk cases through the plugin (.flatests/, docs/measuring.md)
 #   abbuild  a copy of this tree with the patch AB_PATCH applied, built, in /tmp/ab_new
 #   builds   build and abbuild side by side (one job)
-#   abkda    the kda job's tests on /tmp/ab_new
+#   abkda    the kda job's tests on /tmp/ab_new (KDA_ARGS for both: shell-parsed pytest arguments)
 #   ab       benchmarks.kda_variants (AB_ARGS) in this tree and in /tmp/ab_new, alternating, AB_ROUNDS times each
 # A short table of each job's status and time is printed last.
 set -u
@@ -33,6 +33,22 @@ if [[ ! -f $HOME/.triton/.restored ]]; then
 fi
 XDIST=""; python -c "import xdist" 2>/dev/null && XDIST="-n ${PYTEST_WORKERS:-8}"
 declare -a SUMMARY
+
+# strict KDA prefill and training-path GPU tests of the tree $1; KDA_ARGS is parsed by the shell (-k 'a or b')
+export XDIST KDA_ARGS="${KDA_ARGS:-}"
+kda_tests() {
+  cd "$1" && eval "PYTHONPATH='$1':\$PYTHONPATH FLA_CULA_STRICT=1 python -m pytest tests/gpu/test_kda_prefill.py \
+    tests/gpu/test_training_path.py -q -rfE -p no:cacheprovider $XDIST $KDA_ARGS"
+}
+
+# /tmp/ab_new: a copy of this tree (without .gpu/ and build/) with the patch AB_PATCH applied
+ab_tree() {
+  local patch_file
+  patch_file="$(cd "$(dirname "${AB_PATCH:?AB_PATCH}")" && pwd)/$(basename "$AB_PATCH")"
+  rm -rf /tmp/ab_new && mkdir -p /tmp/ab_new && tar cf - --exclude=./.gpu --exclude=./build . | tar xf - -C /tmp/ab_new \
+    && (cd /tmp/ab_new && patch -p1 -s < "$patch_file" && rm -f fla_cula/_C*.so) \
+    || { echo "ab_tree: copy or patch failed"; SUMMARY+=("ab_tree   FAIL"); return 1; }
+}
 
 job() {  # job NAME LIMIT CMD...: output to OUT/NAME.log, the last lines echoed
   local name=$1 limit=$2; shift 2
@@ -55,8 +71,7 @@ for j in "$@"; do
       job conv "${T_CONV:-200}" env FLA_CULA_STRICT=1 python -m pytest tests/gpu/test_conv_update.py -q -rfE \
         -p no:cacheprovider $XDIST ;;
     kda)
-      job kda "${T_KDA:-400}" env FLA_CULA_STRICT=1 python -m pytest tests/gpu/test_kda_prefill.py \
-        tests/gpu/test_training_path.py -q -rfE -p no:cacheprovider $XDIST ${KDA_ARGS:-} ;;
+      job kda "${T_KDA:-400}" bash -c "$(declare -f kda_tests); kda_tests '$PWD'" ;;
     model)
       job model "${T_MODEL:-420}" python -m benchmarks model --layers 4 24 --out "$OUT" ${MODEL_ARGS:-} ;;
     peers)
@@ -72,22 +87,14 @@ for j in "$@"; do
         python -m pytest -p fla_cula.testing.plugin -p no:cacheprovider -q -rfE .flatests/tests/ops/test_kda.py \
         -k "chunk and not cp and not flash and not naive" ;;
     abbuild)
-      rm -rf /tmp/ab_new && mkdir -p /tmp/ab_new && tar cf - --exclude=./.gpu --exclude=./build . | tar xf - -C /tmp/ab_new
-      job abbuild "${T_BUILD:-240}" bash -c "cd /tmp/ab_new && patch -p1 < '$PWD/${AB_PATCH:?AB_PATCH}' && rm -rf build fla_cula/_C*.so && python setup.py build_ext --inplace" ;;
+      ab_tree && job abbuild "${T_BUILD:-240}" bash -c "cd /tmp/ab_new && python setup.py build_ext --inplace"
+      [[ ${SUMMARY[-1]} == *" ok "* ]] || rm -rf /tmp/ab_new/build /tmp/ab_new/fla_cula/_C*.so ;;
     builds)
-      rm -rf /tmp/ab_new && mkdir -p /tmp/ab_new && tar cf - --exclude=./.gpu --exclude=./build . | tar xf - -C /tmp/ab_new
-      builds() {
-        python setup.py build_ext --inplace > "$OUT/build.log" 2>&1 &
-        local a=$!
-        (cd /tmp/ab_new && patch -p1 < "$1" && rm -rf build fla_cula/_C*.so && python setup.py build_ext --inplace) \
-          > "$OUT/abbuild.log" 2>&1
-        local rb=$?
-        wait $a && return $rb
-      }
-      job builds "${T_BUILD:-240}" bash -c "OUT=$OUT; $(declare -f builds); builds '$PWD/${AB_PATCH:?AB_PATCH}'"
+      ab_tree && job builds "${T_BUILD:-240}" bash -c "python setup.py build_ext --inplace > '$OUT/build.log' 2>&1 & \
+        (cd /tmp/ab_new && python setup.py build_ext --inplace) > '$OUT/abbuild.log' 2>&1; rb=\$?; wait \$! && exit \$rb"
       [[ ${SUMMARY[-1]} == *" ok "* ]] || rm -rf build fla_cula/_C*.so /tmp/ab_new/build /tmp/ab_new/fla_cula/_C*.so ;;
     abkda)
-      job abkda "${T_KDA:-400}" bash -c "cd /tmp/ab_new && PYTHONPATH=/tmp/ab_new:$PYTHONPATH FLA_CULA_STRICT=1 python -m pytest tests/gpu/test_kda_prefill.py -q -rfE -p no:cacheprovider $XDIST ${KDA_ARGS:-}" ;;
+      job abkda "${T_KDA:-400}" bash -c "$(declare -f kda_tests); kda_tests /tmp/ab_new" ;;
     ab)
       ab() {
         for r in $(seq "${AB_ROUNDS:-2}"); do
