@@ -400,3 +400,30 @@ def test_parity_force_sets_the_route_override(monkeypatch, capsys):
         assert os.environ.get("FLA_CULA_FORCE") == "1"
     finally:
         os.environ.pop("FLA_CULA_FORCE", None)   # set by main, not by monkeypatch: nothing else would undo it
+
+
+def test_ncu_phases_charges_each_instruction_to_its_outermost_body_line():
+    """benchmarks.ncu_phases: profiled instructions are aligned to the -lineinfo build by opcode (an extra instruction
+    on either side does not shift the rest), and each is charged to the phase of its outermost kda_fwd_body line, so a
+    helper inlined from outside the body (cuda_bf16.hpp) counts where the body called it."""
+    from benchmarks import ncu_phases
+
+    def row(sass, n, stall):
+        return {"Source": sass, "Instructions Executed": str(n), "Warp Stall Sampling (All Samples)": str(stall),
+                "stall_barrier": str(stall)}
+
+    body = (100, 200)
+    marks = [(120, "2"), (150, "3")]
+    kern = "kda_fwd_kernel.cuh"
+    rows = [row("LDC R1, c[0x0][0x28]", 1, 1), row("FFMA R2, R3, R4, R5", 10, 4),
+            row("@P0 MUFU.EX2 R6, R7", 20, 6), row("F2FP.BF16.F32.PACK_AB R8, R9, R10", 30, 2)]
+    sass = [([(kern, 1500)], "LDC R1, c[0x0][0x28]"),
+            ([(kern, 125), (kern, 1500)], "FFMA R2, R3, R4, R5"),
+            ([(kern, 110), (kern, 155), (kern, 1500)], "MUFU.EX2 R6, R7"),   # a body lambda (110) called at 155
+            ([(kern, 110), (kern, 155), (kern, 1500)], "IMAD.MOV R0, RZ, RZ, RZ"),   # only in the -lineinfo build
+            ([("cuda_bf16.hpp", 572), (kern, 160), (kern, 1500)], "F2FP.BF16.F32.PACK_AB R8, R9, R10")]
+    table, matched, total = ncu_phases.attribute(rows, sass, marks, body)
+    assert (matched, total) == (4, 4)
+    assert table["prologue / hoisted"]["instructions"] == 1
+    assert table["2"]["instructions"] == 10 and table["2"]["barrier"] == 4
+    assert table["3"]["instructions"] == 50 and table["3"]["samples"] == 8
