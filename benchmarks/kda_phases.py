@@ -31,20 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     from benchmarks.harness import _do_bench, capture_graph
-    from benchmarks.peers import make_inputs
+    from benchmarks.peers import kernel_args, make_inputs
     from benchmarks.registry import Shape
     from fla_cula.kernels import kda_prefill
-    from fla_cula.ops.chunk_autograd import KDAChunkConfig
 
     B, T, H = a.shape
     dev = torch.device("cuda")
     x = make_inputs(Shape(B, T, H, H), a.regime, dev)
-    cfg = KDAChunkConfig(scale=128 ** -0.5, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False,
-                         safe_gate=True, lower_bound=-5.0, state_v_first=True, chunk_size=64,
-                         disable_recompute=False, return_intermediate_states=False, cp=False, use_graph=False)
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["initial_state"],
-            x["cu_seqlens"], x["cu_seqlens_cpu"], cfg)
+    args = kernel_args(x)
     props = torch.cuda.get_device_properties(dev)
     bv = a.block_v or kda_prefill.block_v_for(B, H, props.multi_processor_count)
     kda_prefill.set_tuning(block_v=bv, wgmma=not a.mma_sync)

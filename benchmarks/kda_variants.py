@@ -44,23 +44,18 @@ def main(argv: list[str] | None = None) -> int:
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     from benchmarks.harness import capture_graph, variant_row
-    from benchmarks.peers import make_inputs
+    from benchmarks.peers import kernel_args, make_inputs
     from benchmarks.registry import Shape
     from fla_cula.kernels import kda_prefill as kp
-    from fla_cula.ops.chunk_autograd import KDAChunkConfig
     from fla_cula.reference.compare import rel_rms
 
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    cfg = KDAChunkConfig(scale=128 ** -0.5, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False,
-                         safe_gate=True, lower_bound=-5.0, state_v_first=True, chunk_size=64,
-                         disable_recompute=False, return_intermediate_states=False, cp=False, use_graph=False)
     print(f"{'B':>3} {'T':>6} {'H':>3} {'FLA':>14} " + " ".join(f"{name:>20}" for name in variants), flush=True)
     for B, T, H in rows:
         x = make_inputs(Shape(B, T, H, H), args.regime, dev)
-        kargs = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["initial_state"],
-                 x["cu_seqlens"], x["cu_seqlens_cpu"], cfg)
+        kargs = kernel_args(x)
+        cfg = kargs[-1]
 
         fla = functools.partial(fla_chunk_kda, x["q"], x["k"], x["v"], x["g"], x["beta"], scale=cfg.scale,
                                 initial_state=x["initial_state"], output_final_state=True,

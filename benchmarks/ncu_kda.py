@@ -24,21 +24,14 @@ SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis",
 def child(B: int, T: int, H: int, regime: str) -> None:
     import torch
 
-    from benchmarks.peers import make_inputs
+    from benchmarks.peers import kernel_args, make_inputs
     from benchmarks.registry import Shape
     from fla_cula.kernels import kda_prefill as kp
-    from fla_cula.ops.chunk_autograd import KDAChunkConfig
 
-    dev = torch.device("cuda")
-    cfg = KDAChunkConfig(scale=128 ** -0.5, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False,
-                         safe_gate=True, lower_bound=-5.0, state_v_first=True, chunk_size=64,
-                         disable_recompute=False, return_intermediate_states=False, cp=False, use_graph=False)
-    x = make_inputs(Shape(B, T, H, H), regime, dev)
+    args = kernel_args(make_inputs(Shape(B, T, H, H), regime, torch.device("cuda")))
     with torch.inference_mode():
         for _ in range(2):  # the first call compiles / loads; ncu skips its launches (--launch-skip)
-            kp.run(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["initial_state"],
-                   x["cu_seqlens"], x["cu_seqlens_cpu"], cfg)
+            kp.run(*args)
         torch.cuda.synchronize()
 
 

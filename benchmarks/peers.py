@@ -151,6 +151,18 @@ def fast_decay(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lowe
     return float(decay.flatten(0, 1).mean(0).min())
 
 
+def kernel_args(x: dict) -> tuple:
+    """kda_prefill.run's arguments for make_inputs' tensors under FLA's layer flags (the peers' flags: l2norm, the
+    bounded gate in kernel, beta sigmoid, state_v_first, the final state), for the tools that call the kernel alone."""
+    from fla_cula.ops.chunk_autograd import KDAChunkConfig
+
+    cfg = KDAChunkConfig(scale=x["q"].shape[-1] ** -0.5, output_final_state=True, use_beta_sigmoid_in_kernel=True,
+                         allow_neg_eigval=False, state_v_first=True, chunk_size=64, disable_recompute=False,
+                         return_intermediate_states=False, cp=False, use_graph=False, **KDA_PREFILL_FLAGS)
+    return (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["initial_state"], x["cu_seqlens"],
+            x["cu_seqlens_cpu"], cfg)
+
+
 def make_inputs(s: Shape, regime: str, device, grad: bool = False, seed: int = 0) -> dict:
     """FLA-layout inputs of one row (registry.kda_inputs, state [N, HV, V, K]) in a gate regime."""
     torch.manual_seed(seed)
