@@ -10,6 +10,7 @@
 #   build   the C++ extension in place (a cut build's leftovers are removed)
 #   conv    strict conv-update GPU tests (xdist when present)
 #   kda     strict KDA prefill and training-path GPU tests
+#   lightning strict lightning prefill GPU tests (LIGHT_ARGS: shell-parsed pytest arguments)
 #   model   python -m benchmarks model, 4 and 24 layers, every row
 #   peers   python -m benchmarks prefill --peers (cuDNN from .gpu/c, FlashKDA's source build from .gpu/fk)
 #   ncu     Nsight Compute on kda_prep / kda_state (benchmarks/ncu_kda.py), reports under OUT/ncu
@@ -17,7 +18,9 @@
 #   abbuild  a copy of this tree with the patch AB_PATCH applied, built, in /tmp/ab_new
 #   builds   build and abbuild side by side (one job)
 #   abkda    the kda job's tests on /tmp/ab_new (KDA_ARGS for both: shell-parsed pytest arguments)
-#   ab       benchmarks.kda_variants (AB_ARGS) in this tree and in /tmp/ab_new, alternating, AB_ROUNDS times each
+#   ablight  the lightning job's tests on /tmp/ab_new
+#   ab       benchmarks.$AB_BENCH (kda_variants unless set; AB_ARGS) in this tree and in /tmp/ab_new, alternating,
+#            AB_ROUNDS times each
 # A short table of each job's status and time is printed last.
 set -u
 OUT="${1:?usage: scripts/device_jobs.sh OUT JOB...}"; shift
@@ -35,10 +38,15 @@ XDIST=""; python -c "import xdist" 2>/dev/null && XDIST="-n ${PYTEST_WORKERS:-8}
 declare -a SUMMARY
 
 # strict KDA prefill and training-path GPU tests of the tree $1; KDA_ARGS is parsed by the shell (-k 'a or b')
-export XDIST KDA_ARGS="${KDA_ARGS:-}"
+export XDIST KDA_ARGS="${KDA_ARGS:-}" LIGHT_ARGS="${LIGHT_ARGS:-}"
 kda_tests() {
   cd "$1" && eval "PYTHONPATH='$1':\$PYTHONPATH FLA_CULA_STRICT=1 python -m pytest tests/gpu/test_kda_prefill.py \
     tests/gpu/test_training_path.py -q -rfE -p no:cacheprovider $XDIST $KDA_ARGS"
+}
+
+light_tests() {
+  cd "$1" && eval "PYTHONPATH='$1':\$PYTHONPATH FLA_CULA_STRICT=1 python -m pytest tests/gpu/test_lightning_prefill.py \
+    -q -rfE -p no:cacheprovider $XDIST $LIGHT_ARGS"
 }
 
 # /tmp/ab_new: a copy of this tree (without .gpu/ and build/) with the patch AB_PATCH applied
@@ -72,6 +80,8 @@ for j in "$@"; do
         -p no:cacheprovider $XDIST ;;
     kda)
       job kda "${T_KDA:-400}" bash -c "$(declare -f kda_tests); kda_tests '$PWD'" ;;
+    lightning)
+      job lightning "${T_LIGHT:-400}" bash -c "$(declare -f light_tests); light_tests '$PWD'" ;;
     model)
       job model "${T_MODEL:-420}" python -m benchmarks model --layers 4 24 --out "$OUT" ${MODEL_ARGS:-} ;;
     peers)
@@ -95,12 +105,14 @@ for j in "$@"; do
       [[ ${SUMMARY[-1]} == *" ok "* ]] || rm -rf build fla_cula/_C*.so /tmp/ab_new/build /tmp/ab_new/fla_cula/_C*.so ;;
     abkda)
       job abkda "${T_KDA:-400}" bash -c "$(declare -f kda_tests); kda_tests /tmp/ab_new" ;;
+    ablight)
+      ab_tree && job ablight "${T_LIGHT:-400}" bash -c "$(declare -f light_tests); light_tests /tmp/ab_new" ;;
     ab)
       ab() {
         for r in $(seq "${AB_ROUNDS:-2}"); do
           for t in "$PWD" /tmp/ab_new; do
             echo "## round $r: $t"
-            (cd "$t" && PYTHONPATH="$t:$PYTHONPATH" python -m benchmarks.kda_variants ${AB_ARGS:-}) || return 1
+            (cd "$t" && PYTHONPATH="$t:$PYTHONPATH" python -m benchmarks.${AB_BENCH:-kda_variants} ${AB_ARGS:-}) || return 1
           done
         done
       }
