@@ -42,7 +42,8 @@ count, empty past each sequence's end). On by default where the heuristic predic
 set_tuning(split=0 | P) turns it off or forces P.
 
 Static (compile key): dtype (q, k, v, o), K, V, BV, chunk, has_h0 and its dtype, has_ht, varlen and
-cu_seqlens dtype, kv_stages, mma, has_o, seg, reverse, p_regs, o_direct, ws, ws_stages, o_tma, persistent, mcast.
+cu_seqlens dtype, kv_stages, mma, has_o, seg, reverse, p_regs, o_direct, ws, ws_stages, o_tma, persistent, mcast,
+o_pipe.
 Symbolic: B, T, H, N (one compile serves every batch, length, head count) and the split's segment length and count.
 State layout: K-major [N, H, K, V] only (FLA's chunk_lightning_attn never passes state_v_first).
 """
@@ -145,6 +146,11 @@ class LightningPrefillConfig:
     # instead of twice. Written in session 18 without a device: not measured, off until it is (the B1 T16384 H64 row,
     # 0.329 ms at bv 64 against the 0.30 target, is the case: docs/lightning_prefill.md, "v5").
     mcast: bool = False
+    # ws only: the output warpgroup issues chunk c + 1's Q K^T and Q S_(c+1) before it stores chunk c's o, so those
+    # products run on the tensor cores while the o tile is converted, stored and sent (a second O accumulator).
+    # Off: measured on an H100 (session 24) B1 T16384 H64 -2%, B16 T2048 -1.4%, the other rows unchanged, within
+    # the run-to-run spread (docs/lightning_prefill.md, "v6"): the epilogue is not the per-chunk bound.
+    o_pipe: bool = False
 
     def __post_init__(self):
         if self.kv_stages not in (1, 2):
@@ -169,6 +175,8 @@ class LightningPrefillConfig:
             object.__setattr__(self, "persistent", False)
         if not self.ws or self.seg or self.persistent or self.V != 2 * self.bv:
             object.__setattr__(self, "mcast", False)
+        if not self.ws:
+            object.__setattr__(self, "o_pipe", False)
         if not self.has_o and not self.has_ht:
             raise ValueError("has_o=False needs has_ht=True (the state pass writes only the final state)")
         if self.dtype not in ("bfloat16", "float16"):
@@ -852,6 +860,8 @@ def representative_configs() -> list:
         P(has_h0=True, has_ht=True, ws_stages=2),
         P(has_h0=True, has_ht=True, bv=128, persistent=True), P(dtype="float16", varlen=True, persistent=True),
         P(has_h0=True, has_ht=True, mcast=True), P(dtype="float16", varlen=True, mcast=True),   # Q/K multicast
+        P(has_h0=True, has_ht=True, o_pipe=True), P(has_h0=True, has_ht=True, bv=128, o_pipe=True),   # o pipelined
+        P(dtype="float16", varlen=True, has_ht=True, seg=True, o_pipe=True),
         # one warpgroup
         P(has_h0=True, has_ht=True, mma="sync", kv_stages=1),
         P(dtype="float16", varlen=True, has_h0=False, has_ht=True, mma="sync", kv_stages=1),
@@ -1142,12 +1152,42 @@ def _split_for(knob, varlen: bool, T: int, N: int, H: int, K: int, V: int, bv: i
     return nseg, seg_len
 
 
+# The fused split's flags, int32 [ticket, done, one flag per tile]: zero at launch and left zero by the launch's last
+# CTA, so no fill runs per call. A buffer never serves two launches at once: an eager launch takes the buffer of its
+# (device, stream), which the stream orders; a CUDA-graph capture takes a buffer of its own (one graph never runs
+# concurrently with itself) from a slab zeroed on the first eager call, or, with the slab used up, a captured fill.
+FLAG_WORDS = 1024          # tiles + 2 per buffer; a larger grid gets a fill per call
+FLAG_SLAB = 64             # buffers reserved for captures, per device
+_FLAGS = {}                # (device, stream) -> buffer
+_FLAG_SLAB = {}            # device -> [slab, next free buffer]
+
+
+def split_flags(dev, ntiles):
+    """The zeroed flags buffer for one fused-split launch of ntiles tiles on the current stream (see above)."""
+    if dev.type != "cuda" or ntiles + 2 > FLAG_WORDS:
+        return torch.zeros(ntiles + 2, dtype=torch.int32, device=dev)
+    key = dev.index if dev.index is not None else torch.cuda.current_device()
+    if torch.cuda.is_current_stream_capturing():
+        slab = _FLAG_SLAB.get(key)
+        if slab is None or slab[1] == FLAG_SLAB:
+            return torch.zeros(ntiles + 2, dtype=torch.int32, device=dev)
+        slab[1] += 1
+        return slab[0][slab[1] - 1]
+    if key not in _FLAG_SLAB:
+        _FLAG_SLAB[key] = [torch.zeros((FLAG_SLAB, FLAG_WORDS), dtype=torch.int32, device=dev), 0]
+        torch.cuda.current_stream(dev).synchronize()   # once per device: the slab is zero before any capture uses it
+    skey = (key, torch.cuda.current_stream(dev).cuda_stream)
+    if skey not in _FLAGS:
+        _FLAGS[skey] = torch.zeros(FLAG_WORDS, dtype=torch.int32, device=dev)
+    return _FLAGS[skey]
+
+
 def _run_fused_split(fn, dev, q, k, v, g_gamma, scale, h0, cu, N, has_ht, bv, nseg, seg_len):
-    """The fused split (the ws kernel with seg=True): one launch; X (N * nseg local states) and the flags (a ticket
-    counter and one flag per tile, zeroed here) are its scratch; no host sync."""
+    """The fused split (the ws kernel with seg=True): one launch; X (N * nseg local states) and the flags
+    (split_flags) are its scratch; no host sync."""
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     X = torch.empty((N * nseg, H, K, V), dtype=torch.float32, device=dev)
-    flags = torch.zeros(1 + N * nseg * H * (V // bv), dtype=torch.int32, device=dev)
+    flags = split_flags(dev, N * nseg * H * (V // bv))
     o = torch.empty(v.shape, dtype=q.dtype, device=dev)
     ht = torch.empty((N, H, K, V), dtype=torch.float32, device=dev) if has_ht else None
     launch(fn, dev, q, k, v, g_gamma, h0, ht, o, cu, X, flags, float(scale), seg_len, nseg)

@@ -40,7 +40,9 @@ warpgroup releases those stages unread), stores X_p (fp32) to mX and sets its fl
 the flags of its earlier segments (acquire), sums S_in(p) by that recurrence in registers, and runs the loop above
 from it; the sequence's last segment writes the final state. A CTA takes its tile from a ticket (an atomic counter in
 mFlag[0]) in the order CTAs start, so the segments it waits for belong to CTAs already running: no deadlock whatever
-the grid size. The host zeroes mFlag per call.
+the grid size. mFlag = [ticket, done, one flag per tile] is zero at launch, and the launch leaves it zero: once a CTA's
+state warpgroup has read its last flag, its idle producer warp 1 counts the CTA done, and the last CTA done re-zeroes
+mFlag, so the host needs no fill per call (lightning_prefill.split_flags owns the buffers).
 """
 
 import cutlass
@@ -68,6 +70,7 @@ WG = 128                  # threads per warpgroup
 NTHR = 3 * WG             # producer, state, output
 REGS_LOAD, REGS_MATH = 24, 240
 BAR_STATE, BAR_OUT = 1, 2  # named barriers of the state and output warpgroups (0 is __syncthreads)
+BAR_DONE = 3               # the fused split: the state warpgroup's flag reads are done (producer warp 1 waits)
 SMEM_BYTES = 227 * 1024 - 1024   # the SM90 per-block maximum, less the swizzled buffers' alignment gaps
 
 
@@ -130,6 +133,38 @@ def _state_step(ld, cst, mma3, accS, fKt, fVd, sV, sVd, lt, L, tab, DT):
     warpgroup.commit_group()
     warpgroup.wait_group(0)
     ld.consumer_release(cst)
+
+
+def _issue_qk_qs(mmas, accA, fQ1, fK1, accO, fQ2, fS):
+    """One wgmma group, committed, not waited for: accA = Q K^T and accO = Q S (cfg.o_pipe). mmas = (Q K^T, Q S)
+    tiled MMAs, each as (first k-block: ACCUMULATE off, so the accumulators need no zero fill; the others: on)."""
+    warpgroup.fence()
+    for (m0, m), acc, a, b in zip(mmas, (accA, accO), (fQ1, fQ2), (fK1, fS), strict=True):
+        for kb in range(cute.size(a, mode=[2])):   # plain Python: unrolled at trace time
+            cute.gemm(m if kb > 0 else m0, acc, a[None, None, kb], b[None, None, kb], acc)
+    warpgroup.commit_group()
+
+
+def _scale_rows_pv(mmaP, accO, accQS, rP, tOc, tab, fV):
+    """O = exp(g (i + 1)) (Q S)_i + P V: the rows of accQS (may be accO) scaled into accO, then P V (P = rP, in
+    registers) issued and committed, not waited for."""
+    for e in range(cute.size(accO)):   # plain Python: unrolled at trace time
+        i, _ = tOc[e]
+        accO[e] = accQS[e] * tab[i + 1]
+    warpgroup.fence()
+    _wgmma(mmaP, accO, _acc_as_a(rP), fV)
+    warpgroup.commit_group()
+
+
+def _mask_decay_copy(accA, tAc, sTab, DT):
+    """_mask_decay without writing accA (cfg.o_pipe: accA is the next chunk's in-flight accumulator)."""
+    t = cute.make_fragment_like(accA, Float32)
+    for e in range(cute.size(accA)):   # plain Python: unrolled at trace time
+        i, j = tAc[e]
+        t[e] = cutlass.select_(j <= i, accA[e] * sTab[cutlass.max(i - j, 0)], Float32(0.0))
+    rP = cute.make_fragment_like(accA, DT)
+    rP.store(t.load().to(DT))
+    return rP
 
 
 def make_tile(cfg):
@@ -246,6 +281,16 @@ def make_launcher(cfg):
         if wg == 0:
             # producer: warp 0 issues each chunk's boxes on one mbarrier (the fused split's first pass: K and V)
             cute.arch.setmaxregister_decrease(REGS_LOAD)
+            if cutlass.const_expr(SEG):
+                # warp 1 (idle otherwise): once the state warpgroup has read its last flag, count this CTA done; the
+                # last CTA done re-zeroes the ticket, the counter and the flags for the next launch on this buffer
+                if warp == 1:
+                    cute.arch.barrier(barrier_id=BAR_DONE, number_of_threads=WG + 32)
+                    if tidx == 32:
+                        d = cute.arch.atomic_add((mFlag.iterator + 1).llvm_ptr, Int32(1), sem="acq_rel", scope="gpu")
+                        if d == nctas - 1:
+                            for j in cutlass.range(ntiles + 2, unroll=1):
+                                cute.arch.store((mFlag.iterator + j).llvm_ptr, Int32(0), sem="relaxed", scope="gpu")
             if warp == 0:
                 cpasync.prefetch_descriptor(tmaQ)
                 cpasync.prefetch_descriptor(tmaK)
@@ -316,7 +361,7 @@ def make_launcher(cfg):
                         cute.arch.barrier(barrier_id=BAR_STATE, number_of_threads=WG)
                         if lt == 0:
                             cute.arch.fence_acq_rel_gpu()
-                            cute.arch.store((mFlag.iterator + 1 + t).llvm_ptr, Int32(1), sem="release", scope="gpu")
+                            cute.arch.store((mFlag.iterator + 2 + t).llvm_ptr, Int32(1), sem="release", scope="gpu")
                     # the initial state, S_in(p) = exp(g seg_len) S_in(p - 1) + X_(p-1) from S_in(0) = h0, once every
                     # earlier segment's flag is set (thread j waits for segments j, j + 128, ...; at bv 64 two segments'
                     # X loads are in flight at a time). A segment with no tokens (p > 0) does nothing at all.
@@ -325,11 +370,12 @@ def make_launcher(cfg):
                     np_ = cutlass.select_(Tn > 0, p, 0)
                     dseg = cute.math.exp(Float32(mG[h]) * Float32(seg_len), fastmath=False)
                     for j in cutlass.range(lt, np_, WG, unroll=1):
-                        fp = (mFlag.iterator + 1 + t + (j - p) * (H * NVB)).llvm_ptr
+                        fp = (mFlag.iterator + 2 + t + (j - p) * (H * NVB)).llvm_ptr
                         f = cute.arch.load(fp, Int32, sem="acquire", scope="gpu")
                         while f == 0:
                             f = cute.arch.load(fp, Int32, sem="acquire", scope="gpu")
                     cute.arch.barrier(barrier_id=BAR_STATE, number_of_threads=WG)
+                    cute.arch.barrier_arrive(barrier_id=BAR_DONE, number_of_threads=WG + 32)   # flag reads done
                     for j in cutlass.range(np_, unroll=2 if BV == 64 else 1):
                         xj = _state_init(t3, mX, z + j - p, h, vb, K, BV, True)
                         accS.store(accS.load() * dseg + xj.load())
@@ -363,6 +409,12 @@ def make_launcher(cfg):
                                                sm90.OperandSource.RMEM)                        # P V
             for m in (mma1, mma2, mmaP):
                 m.set(warpgroup.Field.ACCUMULATE, True)
+            if cutlass.const_expr(cfg.o_pipe):   # the first k-block of Q K^T and Q S_c: from zero
+                mma1z = sm90.make_trivial_tiled_mma(DT, DT, KMJ, KMJ, Float32, (1, 1, 1), (C, C))
+                mma2z = sm90.make_trivial_tiled_mma(DT, DT, KMJ, MNJ, Float32, (1, 1, 1), (C, BV))
+                for m in (mma1z, mma2z):
+                    m.set(warpgroup.Field.ACCUMULATE, False)
+                mmas = ((mma1z, mma1), (mma2z, mma2))
             t1, t2 = mma1.get_slice(lt), mma2.get_slice(lt)
             fQ1 = mma1.make_fragment_A(t1.partition_A(sQ))
             fK1 = mma1.make_fragment_B(t1.partition_B(sK))
@@ -394,24 +446,48 @@ def make_launcher(cfg):
                     gO = cute.local_tile(cute.domain_offset((bos, 0), gOt[None, None, h, b]), (C, BV), (None, vb))
                     tOs, tOg = cpasync.tma_partition(tmaO, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
                                                      cute.group_modes(gO, 0, 2))
+                if cutlass.const_expr(cfg.o_pipe):
+                    # chunk c's Q K^T and Q S_c are issued during chunk c - 1 (into pA, pN); cnx: stage c + 1
+                    pA = cute.make_rmem_tensor(t1.partition_shape_C((C, C)), Float32)
+                    pN = cute.make_rmem_tensor(t2.partition_shape_C((C, BV)), Float32)
+                    pO = cute.make_rmem_tensor(t2.partition_shape_C((C, BV)), Float32)
+                    if nch > 0:
+                        ld.consumer_wait(cst)
+                        sp.consumer_wait(sst)
+                        _issue_qk_qs(mmas, pA, fQ1[None, None, None, cst.index], fK1[None, None, None, cst.index],
+                                     pN, fQ2[None, None, None, cst.index], fS[None, None, None, sst.index])
+                    cnx = cst.clone()
+                    cnx.advance()
                 for c in cutlass.range(nch, unroll=1):
                     c0 = c * C
                     L = cutlass.min(Int32(C), Tn - c0)
-                    ld.consumer_wait(cst)
-                    sp.consumer_wait(sst)
                     st = cst.index
-                    accA, accO = _qk_and_qs(mma1, t1, fQ1[None, None, None, st], fK1[None, None, None, st], mma2,
-                                            t2, fQ2[None, None, None, st], fS[None, None, None, sst.index], C, BV)
-                    sp.consumer_release(sst)
-                    sst.advance()
-                    rP = _mask_decay(accA, tAc, tab, DT)
-                    for e in cutlass.range_constexpr(cute.size(accO)):
-                        i, _ = tOc[e]
-                        accO[e] = accO[e] * tab[i + 1]
-                    warpgroup.fence()
-                    _wgmma(mmaP, accO, _acc_as_a(rP), fV[None, None, None, st])
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
+                    if cutlass.const_expr(cfg.o_pipe):
+                        warpgroup.wait_group(0)                    # Q K^T, Q S_c
+                        sp.consumer_release(sst)
+                        sst.advance()
+                        _scale_rows_pv(mmaP, pO, pN, _mask_decay_copy(pA, tAc, tab, DT), tOc, tab,
+                                       fV[None, None, None, st])
+                        if c + 1 < nch:
+                            ld.consumer_wait(cnx)
+                            sp.consumer_wait(sst)
+                            _issue_qk_qs(mmas, pA, fQ1[None, None, None, cnx.index], fK1[None, None, None, cnx.index],
+                                         pN, fQ2[None, None, None, cnx.index], fS[None, None, None, sst.index])
+                            warpgroup.wait_group(1)                # P V of chunk c; chunk c + 1's products run on
+                        else:
+                            warpgroup.wait_group(0)
+                        cnx.advance()
+                        accO = pO
+                    else:
+                        ld.consumer_wait(cst)
+                        sp.consumer_wait(sst)
+                        accA, accO = _qk_and_qs(mma1, t1, fQ1[None, None, None, st], fK1[None, None, None, st], mma2,
+                                                t2, fQ2[None, None, None, st], fS[None, None, None, sst.index], C, BV)
+                        sp.consumer_release(sst)
+                        sst.advance()
+                        _scale_rows_pv(mmaP, accO, accO, _mask_decay(accA, tAc, tab, DT), tOc, tab,
+                                       fV[None, None, None, st])
+                        warpgroup.wait_group(0)
                     ld.consumer_release(cst)
                     cst.advance()
                     rO = cute.make_fragment_like(accO, DT)

@@ -40,8 +40,12 @@ VARIANTS = {"sync-kv1": {"mma": "sync", "kv_stages": 1}, "sync-kv2": {"mma": "sy
             "ws-bv128": {"bv": 128, "split": 0}, "ws-bv64": {"bv": 64, "split": 0},
             "ws-persistent": {"persistent": True, "split": 0}, "ws-bv128-persistent": {"bv": 128, "persistent": True,
                                                                                         "split": 0},
-            # Q/K multicast across the head's two V-block CTAs (a cluster of 2; session 18, not yet run)
-            "ws-mcast": {"bv": 64, "mcast": True, "split": 0}}
+            # Q/K multicast across the head's two V-block CTAs (a cluster of 2; session 18; measured no gain, off)
+            "ws-mcast": {"bv": 64, "mcast": True, "split": 0},
+            # chunk c + 1's Q K^T and Q S issued before chunk c's o store (session 24; off by default)
+            "ws-opipe": {"bv": 64, "o_pipe": True, "split": 0},
+            "ws-bv128-opipe": {"bv": 128, "o_pipe": True, "split": 0},
+            "ws-opipe-persistent": {"o_pipe": True, "persistent": True, "split": 0}}
 
 
 @pytest.fixture(params=list(VARIANTS))
@@ -320,9 +324,10 @@ def test_split_weak_decay_long(layer, fla_fns):
 @pytest.mark.parametrize("knobs", [{"mma": "sync", "kv_stages": 1}, {"mma": "sync", "kv_stages": 2},
                                    {"mma": "sync", "bv": 32, "kv_stages": 1},
                                    {"mma": "wgmma"}, {"p_regs": True, "o_direct": True},
-                                   {"kv_stages": 1, "p_regs": False, "ws": False}, {"bv": 128}, {"ws": False}],
+                                   {"kv_stages": 1, "p_regs": False, "ws": False}, {"bv": 128}, {"ws": False},
+                                   {"o_pipe": True}],
                          ids=["sync", "kv2", "bv32", "wgmma", "pregs-odirect", "wgmma-kv1-psmem", "fused-bv128",
-                              "three-launch"])
+                              "three-launch", "fused-opipe"])
 def test_split_variants(knobs, fla_fns):
     """Every split: the fused one (ws, the default: "wgmma" and "pregs-odirect", whose one-warpgroup knobs ws
     normalizes away) and the three-launch one's pass 2 on every one-warpgroup variant (pass 1 is always the
@@ -400,6 +405,45 @@ def test_split_cuda_graph_and_no_recompile():
         assert (jit.stats["compiled"], jit.stats["disk_hits"]) == n0
     finally:
         lp.set_tuning()
+
+
+def test_fused_split_flags_left_zero(fla_fns):
+    """The fused split's flags need no fill per call: each launch leaves its buffer zero (the last CTA re-zeroes
+    it), eager launches reuse their stream's buffer, a capture takes a reserved buffer of its own, and replays and
+    repeated calls give the same bits. A grid past FLAG_WORDS gets a fresh zeroed buffer and passes the bars."""
+    lp = _lp()
+    q, k, v, h0 = _inputs(1, 4096, 8, h0=torch.float32, seed=73)
+    g = lightning_g_gamma(8, 0, 24, device=DEV)
+    dev = torch.device(DEV, torch.cuda.current_device())
+    lp.set_tuning(split=4)
+    try:
+        outs = [lp.run(q, k, v, g, 128 ** -0.5, h0, True, None) for _ in range(3)]
+        torch.cuda.synchronize()
+        buf = lp._FLAGS[(dev.index, torch.cuda.current_stream().cuda_stream)]
+        assert not buf.any()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            outs.append(lp.run(q, k, v, g, 128 ** -0.5, h0, True, None))
+        torch.cuda.current_stream().wait_stream(s)
+        taken = lp._FLAG_SLAB[dev.index][1]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            og, sg = lp.run(q, k, v, g, 128 ** -0.5, h0, True, None)
+        assert lp._FLAG_SLAB[dev.index][1] == taken + 1
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            outs.append((og.clone(), sg.clone()))
+            assert not lp._FLAG_SLAB[dev.index][0][taken].any()
+        assert not buf.any() and not lp._FLAGS[(dev.index, s.cuda_stream)].any()
+        for o, st in outs[1:]:
+            assert torch.equal(o, outs[0][0]) and torch.equal(st, outs[0][1])
+    finally:
+        lp.set_tuning()
+    q, k, v, h0 = _inputs(1, 4096, 64, h0=torch.float32, seed=74)    # 8 x 64 x 2 = 1024 tiles > FLAG_WORDS - 2
+    assert lp._split_for(8, False, 4096, 1, 64, 128, 128, 64, True)[0] * 64 * 2 + 2 > lp.FLAG_WORDS
+    _split_vs_unsplit(q, k, v, h0, True, P=8, fla_fns=fla_fns)
 
 
 # ---------------------------------------------------------------------------------------------
