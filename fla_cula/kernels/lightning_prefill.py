@@ -1167,6 +1167,9 @@ def split_flags(dev, ntiles):
     if dev.type != "cuda" or ntiles + 2 > FLAG_WORDS:
         return torch.zeros(ntiles + 2, dtype=torch.int32, device=dev)
     key = dev.index if dev.index is not None else torch.cuda.current_device()
+    if key != torch.cuda.current_device():   # the capture state and stream are those of the tensors' device
+        with torch.cuda.device(key):
+            return split_flags(dev, ntiles)
     if torch.cuda.is_current_stream_capturing():
         slab = _FLAG_SLAB.get(key)
         if slab is None or slab[1] == FLAG_SLAB:
