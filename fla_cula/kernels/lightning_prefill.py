@@ -143,8 +143,8 @@ class LightningPrefillConfig:
     persistent: bool = False
     # ws only, unsplit, two V blocks per head (V = 2 bv): the head's two CTAs run as a cluster of 2 and each TMA-loads
     # half of every chunk's Q and K rows into both CTAs' shared memory (multicast), so Q and K leave L2 once per head
-    # instead of twice. Written in session 18 without a device: not measured, off until it is (the B1 T16384 H64 row,
-    # 0.329 ms at bv 64 against the 0.30 target, is the case: docs/lightning_prefill.md, "v5").
+    # instead of twice. Off: measured in session 20 (H200) within the run-to-run spread at B1 T16384 H64, the row it
+    # was written for (docs/lightning_prefill.md, "v5").
     mcast: bool = False
     # ws only: the output warpgroup issues chunk c + 1's Q K^T and Q S_(c+1) before it stores chunk c's o, so those
     # products run on the tensor cores while the o tile is converted, stored and sent (a second O accumulator).
