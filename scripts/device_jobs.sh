@@ -12,6 +12,7 @@
 #   kda     strict KDA prefill and training-path GPU tests
 #   lightning strict lightning prefill GPU tests (LIGHT_ARGS: shell-parsed pytest arguments)
 #   model   python -m benchmarks model, 4 and 24 layers, every row
+#   lreport python -m benchmarks --only chunk_lightning_attn (graph, eager, fwdbwd): the lightning report rows
 #   peers   python -m benchmarks prefill --peers (cuDNN from .gpu/c, FlashKDA's source build from .gpu/fk)
 #   ncu     Nsight Compute on kda_prep / kda_state (benchmarks/ncu_kda.py), reports under OUT/ncu
 #   flatests FLA's test_kda.py chunk cases through the plugin (.flatests/, docs/measuring.md)
@@ -84,6 +85,9 @@ for j in "$@"; do
       job lightning "${T_LIGHT:-400}" bash -c "$(declare -f light_tests); light_tests '$PWD'" ;;
     model)
       job model "${T_MODEL:-420}" python -m benchmarks model --layers 4 24 --out "$OUT" ${MODEL_ARGS:-} ;;
+    lreport)
+      job lreport "${T_LREPORT:-400}" python -m benchmarks --only chunk_lightning_attn --modes graph eager fwdbwd \
+        --out "$OUT" ;;
     peers)
       [[ -f .gpu/c/peers.sh ]] && source .gpu/c/peers.sh
       [[ -f /opt/peers.sh ]] && source /opt/peers.sh
