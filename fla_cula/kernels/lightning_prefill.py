@@ -212,15 +212,17 @@ def _gemm(tiled_mma, acc, cpy_a, ts_a, tr_a, fr_a, cpy_b, ts_b, tr_b, fr_b):
         cute.gemm(tiled_mma, acc, fr_a[None, None, kb], fr_b[None, None, kb], acc)
 
 
-def _mask_decay(accA, tAc, sTab, DT):
+def _mask_decay(accA, tAc, sTab, DT, keep_acc: bool = False):
     """P = mask/decay(Q K^T) in DT registers: accA (C x C accumulator, coordinates tAc) times exp(g (i - j)) =
-    sTab[i - j] where j <= i, 0 above the diagonal."""
+    sTab[i - j] where j <= i, 0 above the diagonal. accA is overwritten unless keep_acc (the ws kernel's o_pipe,
+    where accA is already the next chunk's in-flight accumulator)."""
+    t = cute.make_fragment_like(accA, Float32) if keep_acc else accA
     for e in range(cute.size(accA)):  # plain Python: unrolled at trace time (as range_constexpr in a kernel)
         i, j = tAc[e]
         f = sTab[cutlass.max(i - j, 0)]
-        accA[e] = cutlass.select_(j <= i, accA[e] * f, Float32(0.0))
+        t[e] = cutlass.select_(j <= i, accA[e] * f, Float32(0.0))
     rP = cute.make_fragment_like(accA, DT)
-    rP.store(accA.load().to(DT))
+    rP.store(t.load().to(DT))
     return rP
 
 

@@ -156,17 +156,6 @@ def _scale_rows_pv(mmaP, accO, accQS, rP, tOc, tab, fV):
     warpgroup.commit_group()
 
 
-def _mask_decay_copy(accA, tAc, sTab, DT):
-    """_mask_decay without writing accA (cfg.o_pipe: accA is the next chunk's in-flight accumulator)."""
-    t = cute.make_fragment_like(accA, Float32)
-    for e in range(cute.size(accA)):   # plain Python: unrolled at trace time
-        i, j = tAc[e]
-        t[e] = cutlass.select_(j <= i, accA[e] * sTab[cutlass.max(i - j, 0)], Float32(0.0))
-    rP = cute.make_fragment_like(accA, DT)
-    rP.store(t.load().to(DT))
-    return rP
-
-
 def make_tile(cfg):
     """tile(mQ, mCu, t, H, seg_len, nseg) -> (vb, h, n, z, b, bos, Tn, more): tile t = (z H + h) NVB + vb is
     BV-column block vb of head h of sequence n = z (z = n nseg + p with cfg.seg: segment p of sequence n, logical
@@ -466,7 +455,7 @@ def make_launcher(cfg):
                         warpgroup.wait_group(0)                    # Q K^T, Q S_c
                         sp.consumer_release(sst)
                         sst.advance()
-                        _scale_rows_pv(mmaP, pO, pN, _mask_decay_copy(pA, tAc, tab, DT), tOc, tab,
+                        _scale_rows_pv(mmaP, pO, pN, _mask_decay(pA, tAc, tab, DT, keep_acc=True), tOc, tab,
                                        fV[None, None, None, st])
                         if c + 1 < nch:
                             ld.consumer_wait(cnx)
