@@ -527,6 +527,7 @@ uint32_t g_a[8][32][4], g_b[8][32][2];
 float g_c[8][32][4];
 
 inline void __syncthreads() { g_bar->arrive_and_wait(); }
+inline void __syncwarp() { g_wbar[threadIdx.x >> 5]->arrive_and_wait(); }
 // stmatrix.x4.trans as the hardware does it: lane l writes stored row l % 8 of tile l / 8 at its own address, with
 // the tile's column l % 8 gathered from the lanes that hold it (row r: lane 4 r + c / 2, half c % 2)
 __nv_bfloat16* g_sp[8][32];

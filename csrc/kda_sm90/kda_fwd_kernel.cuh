@@ -499,6 +499,8 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
     if constexpr (!kPrepTiles) __builtin_unreachable();
     else if constexpr (kPass == kKdaPrep) return sm.u3.X[i][j]; else return sm.u1.X[i][j];
   };
+  // X's diagonal 16-blocks D_r live in L's diagonal blocks (phase 4 inverts them in place); the others in X
+  auto Xd_at = [&](int i, int j) -> float& { return (i >> 4) == (j >> 4) ? L_at(i, j) : X_at(i, j); };
   // raw q, k of tokens i, i + 1 at channels d, d + 1 and the row scales scale * rstd_q, rstd_k (phases 3 and 5a)
   struct RawPair {
     float2 q0, q1, k0, k1;
@@ -1158,14 +1160,17 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       __syncthreads();
       mark(2);
 
-      // ---- 4: Aqk and L on the 10 sub-block pairs (r, s <= r) each: job j < 10 Aqk, else L, of pair j mod 10;
-      //      warp w takes jobs w, w + 8, w + 16 (the blocks s > r of aqk stay zero from the prologue). kPrep: Aqk
-      //      to the record (and the grad extras) from the accumulators, zero blocks included
+      // ---- 4: Aqk and L on the 10 sub-block pairs (r, s <= r) each; warp w takes jobs w, w + 8, w + 16 of
+      //      kJobs (the blocks s > r of aqk stay zero from the prologue). Jobs 12-15, the second and last of warps
+      //      4-7, are L's diagonal blocks L_rr: the warp then inverts its block in place, D_r = (I + L_rr)^-1
+      //      (phase 5b's first step, done while warps 0-3 run their third job). kPrep: Aqk to the record (and the
+      //      grad extras) from the accumulators, zero blocks included
       bf16* const rec_aqk = kPass == kKdaPrep ? reinterpret_cast<bf16*>(record(chunk) + kRecAqk) : nullptr;
       bf16* const aqk_g = extras ? static_cast<bf16*>(p.Aqk) + int64_t(hv) * kC : nullptr;
       for (int job = warp; job < 2 * kPairs; job += 8) {
+        // jobs 0-9: Aqk of pair job; 10-19: L of pairs 1, 3, then the diagonal 0, 2, 5, 9 (jobs 12-15), 4, 6, 7, 8
         bool const is_l = job >= kPairs;
-        int const pr = is_l ? job - kPairs : job;
+        int const pr = is_l ? int((0x8764952031ull >> (4 * (job - kPairs))) & 15) : job;
         int const r = pr >= 6 ? 3 : pr >= 3 ? 2 : pr >= 1 ? 1 : 0, s = pr - r * (r + 1) / 2;
         float acc[2][4];
         zero(acc);
@@ -1215,6 +1220,25 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
               aqk_at(i, j) = __float2bfloat16_rn(j <= i ? acc[nt][e] : 0.f);
             }
           }
+        }
+      }
+      if (warp >= 4) {
+        // D_r = (I + L_rr)^-1 by forward substitution (r = warp - 4: its L_rr is job 12 + r above), lane = column c
+        // (lanes 16-31 repeat 0-15), written over L_rr
+        __syncwarp();
+        int const c = lane & 15, o = 16 * (warp - 4);
+        float x[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          float sum = i == c ? 1.f : 0.f;
+#pragma unroll
+          for (int j = 0; j < i; ++j) sum = fmaf(-L_at(o + i, o + j), x[j], sum);
+          x[i] = sum;
+        }
+        __syncwarp();
+        if (lane < 16) {
+#pragma unroll
+          for (int i = 0; i < 16; ++i) L_at(o + i, o + c) = x[i];
         }
       }
       if constexpr (kPass == kKdaPrep) {  // the blocks s > r: 6 x 16 rows x 8 column pairs
@@ -1268,26 +1292,10 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       __syncthreads();
       mark(4);
 
-      // ---- 5b: inverse X = (I + L)^-1 by 16-blocks: X_rr = D_r = (I + L_rr)^-1 (forward substitution) and,
+      // ---- 5b: inverse X = (I + L)^-1 by 16-blocks: X_rr = D_r = (I + L_rr)^-1 (phase 4, over L_rr: Xd_at) and,
       //      for s < r, X_rs = -D_r T_rs with T_rs = sum_{t=s}^{r-1} L_rt X_ts (sums over t, then m, in order).
       //      akkb = bf16(X diag(beta)) (the A operand of phases 6-7): off-diagonal blocks by their producer, the
-      //      diagonal and zero blocks by idle warps in steps 4 and 5 below. Diagonal: warp r < 4, lane = column.
-      if (warp < 4) {
-        int const r = warp, c = lane & 15, o = 16 * r;
-        float x[16];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          float s = i == c ? 1.f : 0.f;
-#pragma unroll
-          for (int j = 0; j < i; ++j) s = fmaf(-L_at(o + i, o + j), x[j], s);
-          x[i] = s;
-        }
-        if (lane < 16) {
-#pragma unroll
-          for (int i = 0; i < 16; ++i) X_at(o + i, o + c) = x[i];
-        }
-      }
-      __syncthreads();
+      //      diagonal and zero blocks by idle warps in steps 4 and 5 below.
       // Off-diagonal blocks: a group of 64 threads (grp = warp / 2) computes one block per step, thread = a
       // 1 x 4 strip (row si, columns sj .. sj + 3): one L element times a float4 of X per fma step. The six
       // steps follow the longest chain X_10 -> X_20 -> X_30; a chain's earlier terms are summed in earlier
@@ -1296,11 +1304,14 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       {
         int const grp = warp >> 1, si = (tid >> 2) & 15, sj = (tid & 3) * 4;
         // acc += L_rt X_ts on the strip (block row r, column block s)
-        auto lx = [&](float4& acc, int r, int t, int s) {
+        // (diag: t == s, X_ss = D_s in L's storage)
+        auto lx = [&](float4& acc, int r, int t, int s, auto diag) {
 #pragma unroll
           for (int m = 0; m < 16; ++m) {
             float const l = L_at(16 * r + si, 16 * t + m);
-            float4 const xv = *reinterpret_cast<float4 const*>(&X_at(16 * t + m, 16 * s + sj));
+            float const* const xp = decltype(diag)::value ? &L_at(16 * t + m, 16 * s + sj)
+                                                          : &X_at(16 * t + m, 16 * s + sj);
+            float4 const xv = *reinterpret_cast<float4 const*>(xp);
             acc.x = fmaf(l, xv.x, acc.x);
             acc.y = fmaf(l, xv.y, acc.y);
             acc.z = fmaf(l, xv.z, acc.z);
@@ -1313,7 +1324,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
           float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
           for (int m = 0; m < 16; ++m) {
-            float const xv = X_at(16 * r + si, 16 * r + m);
+            float const xv = L_at(16 * r + si, 16 * r + m);  // D_r
             float4 const tv = *reinterpret_cast<float4 const*>(&sm.tmp[slot][m][sj]);
             acc.x = fmaf(xv, tv.x, acc.x);
             acc.y = fmaf(xv, tv.y, acc.y);
@@ -1331,21 +1342,21 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
         float4 acc30 = z4, acc = z4;
         // step 1: T_30 (t = 0) | T_20 (t = 0, kept in acc) | T_10 -> tmp 0 | T_21 -> tmp 1
         if (grp == 0) {
-          lx(acc30, 3, 0, 0);
+          lx(acc30, 3, 0, 0, std::true_type{});
         } else {
           int const r = grp == 2 ? 1 : 2, ts = grp == 3 ? 1 : 0;  // (r, t = s): (2, 0) | (1, 0) | (2, 1)
-          lx(acc, r, ts, ts);
+          lx(acc, r, ts, ts, std::true_type{});
           if (grp >= 2) *tmp(grp - 2) = acc;
         }
         __syncthreads();
         // step 2: T_32 | T_31 (t = 1) | X_10 | X_21
         if (grp == 0) {
           float4 t32 = z4;
-          lx(t32, 3, 2, 2);
+          lx(t32, 3, 2, 2, std::true_type{});
           *tmp(2) = t32;
         } else if (grp == 1) {
           float4 t31 = z4;
-          lx(t31, 3, 1, 1);
+          lx(t31, 3, 1, 1, std::true_type{});
           *part31 = t31;
         } else {
           dx(grp == 2 ? 1 : 2, grp == 2 ? 0 : 1, grp - 2);
@@ -1353,15 +1364,15 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
         __syncthreads();
         // step 3: T_30 (t = 1) | T_20 (t = 1) | X_32 | T_31 (t = 2)
         if (grp == 0) {
-          lx(acc30, 3, 1, 0);
+          lx(acc30, 3, 1, 0, std::false_type{});
         } else if (grp == 1) {
-          lx(acc, 2, 1, 0);
+          lx(acc, 2, 1, 0, std::false_type{});
           *tmp(0) = acc;
         } else if (grp == 2) {
           dx(3, 2, 2);
         } else {
           float4 t31 = *part31;
-          lx(t31, 3, 2, 1);
+          lx(t31, 3, 2, 1, std::false_type{});
           *tmp(1) = t31;
         }
         __syncthreads();
@@ -1375,14 +1386,14 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
 #pragma unroll
           for (int e = (grp == 0 ? tid : tid - 128); e < 4 * kBC * 8; e += 128) {
             int const i = 16 * (e >> 7) + ((e >> 3) & 15), j = 16 * (e >> 7) + (e & 7) * 2;
-            float2 const xv = *reinterpret_cast<float2 const*>(&X_at(i, j));
+            float2 const xv = *reinterpret_cast<float2 const*>(&L_at(i, j));  // D_r
             store_pair(&akkb_at(i, j), xv.x * sm.beta[j], xv.y * sm.beta[j + 1]);
           }
         }
         __syncthreads();
         // step 5: T_30 (t = 2) | akkb's 6 zero blocks (rb, cb > rb) (warps 2-7: 6 x 16 rows x 8 pairs)
         if (grp == 0) {
-          lx(acc30, 3, 2, 0);
+          lx(acc30, 3, 2, 0, std::false_type{});
           *tmp(2) = acc30;
         } else {
 #pragma unroll
@@ -1407,7 +1418,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
         for (int idx = tid; idx < rows * (kC / 2); idx += kThreads) {
           int const i = idx >> 5, j = (idx & 31) * 2;
           bool const up = (j >> 4) > (i >> 4);
-          float const x0 = up ? 0.f : X_at(i, j), x1 = up ? 0.f : X_at(i, j + 1);
+          float const x0 = up ? 0.f : Xd_at(i, j), x1 = up ? 0.f : Xd_at(i, j + 1);
           int64_t const off = (tok0 + i) * p.extras_tok_stride + int64_t(hv) * kC + j;
           store_pair(static_cast<bf16*>(p.Akk) + off, x0, x1);
           if constexpr (kPass != kKdaPrep) {  // (kPrep wrote Aqk in phase 4)
