@@ -1160,11 +1160,11 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       __syncthreads();
       mark(2);
 
-      // ---- 4: Aqk and L on the 10 sub-block pairs (r, s <= r) each; warp w takes jobs w, w + 8, w + 16 of
-      //      kJobs (the blocks s > r of aqk stay zero from the prologue). Jobs 12-15, the second and last of warps
-      //      4-7, are L's diagonal blocks L_rr: the warp then inverts its block in place, D_r = (I + L_rr)^-1
-      //      (phase 5b's first step, done while warps 0-3 run their third job). kPrep: Aqk to the record (and the
-      //      grad extras) from the accumulators, zero blocks included
+      // ---- 4: Aqk and L on the 10 sub-block pairs (r, s <= r) each; warp w takes jobs w, w + 8, w + 16 of the
+      //      2 kPairs = 20 (the blocks s > r of aqk stay zero from the prologue). Jobs 12-15, the second and last
+      //      of warps 4-7, are L's diagonal blocks L_rr: the warp then inverts its block in place,
+      //      D_r = (I + L_rr)^-1 (phase 5b's first step, done while warps 0-3 run their third job). kPrep: Aqk to
+      //      the record (and the grad extras) from the accumulators, zero blocks included
       bf16* const rec_aqk = kPass == kKdaPrep ? reinterpret_cast<bf16*>(record(chunk) + kRecAqk) : nullptr;
       bf16* const aqk_g = extras ? static_cast<bf16*>(p.Aqk) + int64_t(hv) * kC : nullptr;
       for (int job = warp; job < 2 * kPairs; job += 8) {
