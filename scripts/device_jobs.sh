@@ -15,7 +15,8 @@
 #   lreport python -m benchmarks --only chunk_lightning_attn (graph, eager, fwdbwd): the lightning report rows
 #   peers   python -m benchmarks prefill --peers (cuDNN from .gpu/c, FlashKDA's source build from .gpu/fk)
 #   ncu     Nsight Compute on kda_prep / kda_state (benchmarks/ncu_kda.py), reports under OUT/ncu
-#   flatests FLA's test_kda.py chunk cases through the plugin (.flatests/, docs/measuring.md)
+#   flatests FLA's test_kda.py chunk cases through the plugin (carry .flatests; xdist when present: on a cold Triton
+#            cache each new shape autotunes FLA for ~2 min, so one process runs ~3 cases in 6 min; docs/measuring.md)
 #   abbuild  a copy of this tree with the patch AB_PATCH applied, built, in /tmp/ab_new
 #   builds   build and abbuild side by side (one job)
 #   abkda    the kda job's tests on /tmp/ab_new (KDA_ARGS for both: shell-parsed pytest arguments)
@@ -98,7 +99,7 @@ for j in "$@"; do
       job ncu "${T_NCU:-400}" python -m benchmarks.ncu_kda --out "$OUT/ncu" ${NCU_ARGS:-} ;;
     flatests)
       job flatests "${T_FLATESTS:-500}" env FLA_CULA=1 FLA_CULA_FORCE=1 timeout -s INT $(( ${T_FLATESTS:-500} - 20 )) \
-        python -m pytest -p fla_cula.testing.plugin -p no:cacheprovider -q -rfE .flatests/tests/ops/test_kda.py \
+        python -m pytest -p fla_cula.testing.plugin -p no:cacheprovider -q -rfE $XDIST .flatests/tests/ops/test_kda.py \
         -k "chunk and not cp and not flash and not naive" ;;
     abbuild)
       ab_tree && job abbuild "${T_BUILD:-240}" bash -c "cd /tmp/ab_new && python setup.py build_ext --inplace"
