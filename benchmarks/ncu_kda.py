@@ -5,7 +5,9 @@
 Runs ``ncu`` over a child process that calls ``kda_prefill.run`` (the peers benchmark's inputs, FLA's layer flags)
 twice and profiles the second call's kernels whose names match ``--kernels``. Per kernel it prints the sections that
 name the limiter (speed of light, pipe utilization, shared-memory wavefronts and bank conflicts, warp stall reasons,
-occupancy) and saves the full report (``DIR/kda.ncu-rep``, open it in the Nsight Compute GUI for the source view).
+occupancy) and saves the full report (``DIR/kda.ncu-rep``, open it in the Nsight Compute GUI for the source view),
+the SASS source page (``DIR/source_sass.csv``) and its barrier-to-barrier segments (``DIR/segments.txt``,
+benchmarks/ncu_segments.py).
 A measuring tool for docs/kda_sm90.md, not part of the benchmark report.
 """
 
@@ -69,9 +71,17 @@ def main(argv: list[str] | None = None) -> int:
         f.write(text)
     src = subprocess.run([ncu, "--import", rep + ".ncu-rep", "--page", "source", "--csv", "--print-source", "sass"],
                          capture_output=True, text=True).stdout
-    with open(os.path.join(args.out, "source_sass.csv"), "w") as f:
+    csv_path = os.path.join(args.out, "source_sass.csv")
+    with open(csv_path, "w") as f:
         f.write(src)
     print(text)
+    from benchmarks import ncu_segments  # per-barrier segments of each kernel's SASS (segments.txt)
+
+    kernels = ncu_segments.read_kernels(csv_path)
+    seg = "\n\n".join(ncu_segments.report(name, rows, 1.0) for name, rows in kernels.items())
+    with open(os.path.join(args.out, "segments.txt"), "w") as f:
+        f.write(seg + "\n")
+    print(seg)
     return 0
 
 
