@@ -19,6 +19,8 @@ import shutil
 import subprocess
 import sys
 
+from benchmarks import ncu_segments
+
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "MemoryWorkloadAnalysis_Tables",
             "WarpStateStats", "SchedulerStats", "Occupancy", "LaunchStats", "InstructionStats", "SourceCounters")
 
@@ -75,10 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(csv_path, "w") as f:
         f.write(src)
     print(text)
-    from benchmarks import ncu_segments  # per-barrier segments of each kernel's SASS (segments.txt)
-
-    kernels = ncu_segments.read_kernels(csv_path)
-    seg = "\n\n".join(ncu_segments.report(name, rows, 1.0) for name, rows in kernels.items())
+    seg = ncu_segments.report_file(csv_path)   # per-barrier segments of each kernel's SASS
     with open(os.path.join(args.out, "segments.txt"), "w") as f:
         f.write(seg + "\n")
     print(seg)

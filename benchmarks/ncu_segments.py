@@ -104,16 +104,21 @@ def report(name: str, rows: list[dict[str, str]], min_share: float) -> str:
     return "\n".join(lines)
 
 
+def report_file(path: str, min_share: float = 1.0) -> str:
+    """report() of every kernel in the CSV at path, separated by blank lines ('' when it holds none)."""
+    return "\n\n".join(report(name, rows, min_share) for name, rows in read_kernels(path).items())
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.ncu_segments", description=__doc__.split("\n\n")[0])
     p.add_argument("csv", help="source_sass.csv of benchmarks.ncu_kda")
     p.add_argument("--min", type=float, default=1.0, help="hide segments below this share (%%) of both columns")
     args = p.parse_args(argv)
-    kernels = read_kernels(args.csv)
-    if not kernels:
+    text = report_file(args.csv, args.min)
+    if not text:
         print(f"ncu_segments: no kernel in {args.csv}", file=sys.stderr)
         return 2
-    print("\n\n".join(report(name, rows, args.min) for name, rows in kernels.items()))
+    print(text)
     return 0
 
 
