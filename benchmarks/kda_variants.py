@@ -107,7 +107,7 @@ def _pass_graphs(kp, kargs, B, T, H, sms, knobs, capture_graph, profile=False):
     o = torch.empty(B, T, H, 128, dtype=q.dtype, device=q.device)
     ht = torch.empty(B, H, 128, 128, dtype=torch.float32, device=q.device)
     kp.run_two_kernel(recording, B, H, kp.record_slots(B, T, B), q.device, plan, o, ht, None, None,
-                      combine=kp._C.kda_combine)
+                      combine=kp._C.kda_combine, state_rs=knobs.get("state_rs", False))
     names = ["prep"] + (["maps"] if plan.segments > 1 else []) + ["pass 2"]
     # The graphs replay into these buffers (records, segment states, o): `calls` (and the combine's copy of seg_H)
     # go back with them, or the buffers would be freed and reused while the graphs still write them.
@@ -120,6 +120,8 @@ def _pass_graphs(kp, kargs, B, T, H, sms, knobs, capture_graph, profile=False):
     if profile:
         chunks = B * ((T + kp.CHUNK - 1) // kp.CHUNK)
         for pn, kw in (("prep", calls[0]), ("pass 2", calls[len(names) - 1])):
+            if kw.get("state_rs"):
+                continue  # kda_state_rs_kernel has no phase_cycles instrumentation
             vblocks = 1 if kw["pass_kind"] == 1 else 128 // kw["block_v"]   # the prep runs once per pair
             cycles = torch.zeros(B * H * kw["units"] * vblocks, kp._C.KDA_FWD_PHASES, dtype=torch.int64,
                                  device=q.device)

@@ -89,9 +89,12 @@ PYBIND11_MODULE(_C, m) {
           d["wgmma"] = s.wgmma;
           d["pass"] = s.pass;
           d["smem_bytes"] = s.smem_bytes;
+          d["state_rs"] = s.state_rs;
           // mangled kda_fwd_kernel<GateForm::SigmoidLB, profile, block_v, wgmma>, kda_prep_kernel<GateForm::SigmoidLB>,
-          // kda_state_kernel<block_v>
-          if (s.pass == fla_cula::kKdaPrep) {
+          // kda_state_kernel<block_v>, kda_state_rs_kernel
+          if (s.state_rs) {
+            d["symbol"] = std::string("kda_state_rs_kernel");
+          } else if (s.pass == fla_cula::kKdaPrep) {
             d["symbol"] = std::string("kda_prep_kernelILNS0_8GateFormE0EE");
           } else if (s.pass == fla_cula::kKdaState) {
             d["symbol"] = "kda_state_kernelILi" + std::to_string(s.block_v) + "EE";

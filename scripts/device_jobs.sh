@@ -55,8 +55,10 @@ light_tests() {
 ab_tree() {
   local patch_file
   patch_file="$(cd "$(dirname "${AB_PATCH:?AB_PATCH}")" && pwd)/$(basename "$AB_PATCH")"
+  # the same patch already applied (an earlier job of this machine): keep the tree and its build
+  [[ -f /tmp/ab_new/.ab_patch ]] && cmp -s /tmp/ab_new/.ab_patch "$patch_file" && return 0
   rm -rf /tmp/ab_new && mkdir -p /tmp/ab_new && tar cf - --exclude=./.gpu --exclude=./build . | tar xf - -C /tmp/ab_new \
-    && (cd /tmp/ab_new && patch -p1 -s < "$patch_file" && rm -f fla_cula/_C*.so) \
+    && (cd /tmp/ab_new && patch -p1 -s < "$patch_file" && rm -f fla_cula/_C*.so && cp "$patch_file" .ab_patch) \
     || { echo "ab_tree: copy or patch failed"; SUMMARY+=("ab_tree   FAIL"); return 1; }
 }
 

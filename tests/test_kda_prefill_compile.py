@@ -469,12 +469,12 @@ def test_sass_hmma_no_spills():
     usage = {r["symbol"]: r for r in _ext.resource_usage(mod.__file__)}
     names = _ext.demangle(list(sass))
     kda = [s for s in sass if "kda_fwd_kernel" in names[s] or "kda_prep_kernel" in names[s]
-           or "kda_state_kernel" in names[s]]
-    assert len(kda) == 14, sorted(names.values())   # csrc/kda_sm90/kda_fwd.h kKdaFwdSpecializations
+           or "kda_state_kernel" in names[s] or "kda_state_rs_kernel" in names[s]]
+    assert len(kda) == 15, sorted(names.values())   # csrc/kda_sm90/kda_fwd.h kKdaFwdSpecializations
     for s in kda:
         arch, ops = sass[s]
         assert arch == "sm_90a"
-        if "kda_state_kernel" not in names[s]:
+        if "kda_state_kernel" not in names[s] and "kda_state_rs_kernel" not in names[s]:
             assert any(op.startswith("HMMA") for op in ops), sorted(ops)  # mma.sync products of the prep
         if "kda_fwd_kernel" not in names[s]:
             assert any(op.startswith("HGMMA") for op in ops), sorted(ops)  # the two-kernel form is wgmma-only
@@ -619,9 +619,58 @@ inline void kda_emulated_wgmma(float (&acc)[N / 8][4], __nv_bfloat16 const* A, _
       }
 }
 
+// kda_state_rs_kernel's warpgroup products. The warpgroup's 128 threads meet at g_wgbar[w] (also its named
+// barrier). RS: A is gathered from the threads' m64k16 fragments (a[kb][0..3] = rows g, g + 8 x column pairs 2 t,
+// 2 t + 8 of warp i's 16 rows, as kda_emulated_mma reads an A fragment); MN: A (m, k) at sw128(k, m) of a [64][64]
+// tile. Each 16-column block is summed as kda_emulated_wgmma sums it, so the products have its bits.
+std::barrier<>* g_wgbar[2];
+uint32_t g_ra[2][128][8][4];
+inline void kda_emulated_wg_barrier(int w) { g_wgbar[w]->arrive_and_wait(); }
+template <int N, int K, int BRows>
+inline void kda_emulated_wgmma_rs(float (&acc)[N / 8][4], uint32_t const (&a)[K / 16][4], __nv_bfloat16 const* B,
+                                  bool accumulate) {
+  int const w = threadIdx.x >> 7, t = threadIdx.x & 127;
+  std::memcpy(g_ra[w][t], a, sizeof(a));
+  g_wgbar[w]->arrive_and_wait();
+  auto bat = [](__nv_bfloat16 const* tl, int rows, int r, int c) {
+    int const c6 = c & 63;
+    return double(__bfloat162float(tl[(c >> 6) * rows * 64 + r * 64 + (((c6 >> 3) ^ (r & 7)) << 3) + (c6 & 7)]));
+  };
+  auto aat = [w](int r, int c) {  // A (row r of 64, column c of K) from the fragment that holds it
+    int const wi = r >> 4, g = r & 7, hi8 = (r >> 3) & 1, kb = c >> 4, cc = c & 15, tq = (cc & 7) >> 1;
+    uint32_t const x = g_ra[w][32 * wi + 4 * g + tq][kb][hi8 + 2 * (cc >> 3)];
+    return double((cc & 1) ? hi(x) : lo(x));
+  };
+  int const wi = t >> 5, l = t & 31, g = l >> 2, tq = l & 3;
+  for (int kb = 0; kb < K / 16; ++kb)
+    for (int nt = 0; nt < N / 8; ++nt)
+      for (int e = 0; e < 4; ++e) {
+        int r = 16 * wi + g + (e >> 1) * 8, col = nt * 8 + 2 * tq + (e & 1);
+        double s = 0;
+        for (int k = 0; k < 16; ++k) s += aat(r, 16 * kb + k) * bat(B, BRows, col, 16 * kb + k);
+        acc[nt][e] = (kb == 0 && !accumulate ? 0.f : acc[nt][e]) + float(s);
+      }
+  g_wgbar[w]->arrive_and_wait();
+}
+inline void kda_emulated_wgmma_mn(float (&acc)[8][4], __nv_bfloat16 const* A, __nv_bfloat16 const* B) {
+  auto sw = [](__nv_bfloat16 const* tl, int r, int c) {  // element (r, c) of a [64][64] sw128 tile
+    return double(__bfloat162float(tl[r * 64 + (((c >> 3) ^ (r & 7)) << 3) + (c & 7)]));
+  };
+  int const t = threadIdx.x & 127, wi = t >> 5, l = t & 31, g = l >> 2, tq = l & 3;
+  for (int kb = 0; kb < 4; ++kb)
+    for (int nt = 0; nt < 8; ++nt)
+      for (int e = 0; e < 4; ++e) {
+        int r = 16 * wi + g + (e >> 1) * 8, col = nt * 8 + 2 * tq + (e & 1);
+        double s = 0;
+        for (int k = 0; k < 16; ++k) s += sw(A, 16 * kb + k, r) * sw(B, col, 16 * kb + k);
+        acc[nt][e] = (kb == 0 ? 0.f : acc[nt][e]) + float(s);
+      }
+}
+
 #define FLA_CULA_KDA_HOST_EMULATION 1
 #include "kda_sm90/kda_fwd_kernel.cuh"
 #include "kda_sm90/kda_combine_kernel.cuh"
+#include "kda_sm90/kda_state_rs_kernel.cuh"
 
 using namespace fla_cula;
 
@@ -655,7 +704,7 @@ extern "C" void emu_run(void const* q, void const* k, void const* v, void const*
                         void* Aqk, void* Akk, int B, int T, int N, int H, int HV, float scale, float lb, int l2,
                         int bsig, float bscale, void const* cu, int cu64, long long* prof, int block_v, int wgmma,
                         int pass, void* rec, long long rec_slots, int cpc, int units, int maps, float* seg_H,
-                        float* seg_M, void* h_inter, void const* chunk_offsets, int NT) {
+                        float* seg_M, void* h_inter, void const* chunk_offsets, int NT, int state_rs) {
   KdaFwdParams p{};
   p.q = q; p.k = k; p.qk_tok_stride = int64_t(H) * 128; p.qk_head_stride = 128;
   p.v = v; p.v_tok_stride = int64_t(HV) * 128; p.v_head_stride = 128;
@@ -671,11 +720,13 @@ extern "C" void emu_run(void const* q, void const* k, void const* v, void const*
   p.pass = pass; p.rec = rec; p.rec_slots = rec_slots; p.chunks_per_cta = cpc; p.units = units; p.maps = maps;
   p.seg_H = seg_H; p.seg_M = seg_M;
   p.h_inter = h_inter; p.chunk_offsets = chunk_offsets; p.chunk_offsets_int64 = true; p.NT = NT;
+  p.state_rs = state_rs;
   int ctas = pass == kKdaPrep ? N * HV * units : N * HV * (128 / block_v) * (pass == kKdaState ? units : 1);
   std::barrier<> bar(256);
   g_bar = &bar;
   std::vector<std::barrier<>*> wb;
   for (int w = 0; w < 8; ++w) g_wbar[w] = new std::barrier<>(32);
+  for (int w = 0; w < 2; ++w) g_wgbar[w] = new std::barrier<>(128);
   for (int b = 0; b < ctas; ++b) {
     blockIdx.x = b;
     std::memset(smem_raw, 0xff, sizeof(smem_raw));  // poison: NaN-ish bf16/fp32 patterns
@@ -686,6 +737,8 @@ extern "C" void emu_run(void const* q, void const* k, void const* v, void const*
         constexpr auto kG = kda_sm90::GateForm::SigmoidLB;
         if (pass == kKdaPrep) {
           kda_sm90::kda_prep_kernel<kG>(p);
+        } else if (pass == kKdaState && p.state_rs) {
+          kda_sm90::kda_state_rs_kernel(p);
         } else if (pass == kKdaState) {
           block_v == 128 ? kda_sm90::kda_state_kernel<128>(p) : kda_sm90::kda_state_kernel<64>(p);
         } else if (block_v == 128) {
@@ -697,6 +750,7 @@ extern "C" void emu_run(void const* q, void const* k, void const* v, void const*
     for (auto& x : th) x.join();
   }
   for (int w = 0; w < 8; ++w) delete g_wbar[w];
+  for (int w = 0; w < 2; ++w) delete g_wgbar[w];
 }
 """
 
@@ -730,7 +784,7 @@ def _ptr(x):
 
 def _emu_call(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, o, ht, Aqk, Akk, prof, *, scale, lb, l2, bsig, neg, svf,
               block_v, wgmma, pass_=0, rec=None, cpc=0, units=1, maps=False, seg_H=None, seg_M=None, h_inter=None,
-              chunk_offsets=None):
+              chunk_offsets=None, state_rs=False):
     import ctypes
     ptr = _ptr
     B, T, H, _ = q.shape
@@ -741,7 +795,8 @@ def _emu_call(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, o, ht, Aqk, Akk, pr
                 ctypes.c_float(scale), ctypes.c_float(lb), int(l2), int(bsig), ctypes.c_float(2.0 if neg else 1.0),
                 ptr(cu), int(cu is not None and cu.dtype == torch.int64), ptr(prof), block_v, int(wgmma), pass_,
                 ptr(rec), ctypes.c_longlong(0 if rec is None else rec.shape[1]), cpc, units, int(maps), ptr(seg_H),
-                ptr(seg_M), ptr(h_inter), ptr(chunk_offsets), 0 if h_inter is None else h_inter.shape[1])
+                ptr(seg_M), ptr(h_inter), ptr(chunk_offsets), 0 if h_inter is None else h_inter.shape[1],
+                int(state_rs))
 
 
 def _emulate(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bsig, neg, svf, block_v, wgmma=False):
@@ -892,7 +947,7 @@ def _h_buffers(q, cu, HV):
 
 
 def _emulate_two_kernel(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bsig, neg, svf, block_v,
-                        segments, seg_chunks=None, out_kw=None):
+                        segments, seg_chunks=None, out_kw=None, state_rs=False):
     """fla_cula's two-kernel orchestration (kda_prefill.run_two_kernel: prep, maps, combine, pass 2) with every
     pass emulated; records poisoned (0xff) and segment states NaN before the pass that writes them."""
     import dataclasses
@@ -921,7 +976,7 @@ def _emulate_two_kernel(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale,
                   cpc=chunks_per_cta, units=units, maps=maps, seg_H=seg_H, seg_M=seg_M, **kw)
 
     kp.run_two_kernel(launch, N, HV, kp.record_slots(B, T, N), "cpu", plan, o, ht, Aqk, Akk, out_kw,
-                      functools.partial(_emu_combine, lib))
+                      functools.partial(_emu_combine, lib), state_rs=state_rs)
     return o, ht, Aqk, Akk
 
 
@@ -937,6 +992,29 @@ def test_two_kernel_emulated_same_bits_as_fused(emulator, case, block_v):
     got = _emulate_two_kernel(emulator, *args, block_v=block_v, segments=1, **kw)
     for name, a, b in zip(("o", "ht", "Aqk", "Akk"), ref, got, strict=True):
         assert not b.isnan().any() and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("case, segments, seg_chunks", [
+    ("fixed-tail-svf", 1, None),     # 20 tokens: one chunk with a tail, V-first h0 / ht
+    ("varlen-gva-empty", 1, None),   # an empty sequence (ht = h0), GVA, K-major states
+    ("fixed-random", 4, 1),          # pass 2 from the combined seg_H, segment 3 taking the remaining chunks
+    ("varlen-slow", 3, 1),           # segments past a sequence's end, an empty sequence
+])
+def test_state_rs_emulated_same_bits(emulator, case, segments, seg_chunks):
+    """kda_state_rs_kernel (the state transposed in wgmma registers, RS products, v^T as an MN-major A, O through
+    stmatrix.trans) against kda_state_kernel<128> on the same records, both emulated: the operands, the rounding points
+    and the order of every sum are the same, so o and the final state are bit-identical (NaN-poisoned outputs); a
+    fragment, a swizzle, a stage or a store index out of place is not."""
+    _ext_or_skip()
+    if case.startswith("fixed-random") or case.startswith("varlen-slow"):
+        args, kw = _split_case(case)
+    else:
+        args, kw = _emulator_case(case)
+    ref = _emulate_two_kernel(emulator, *args, block_v=128, segments=segments, seg_chunks=seg_chunks, **kw)
+    got = _emulate_two_kernel(emulator, *args, block_v=128, segments=segments, seg_chunks=seg_chunks, state_rs=True,
+                              **kw)
+    for name, a, b in zip(("o", "ht"), ref[:2], got[:2], strict=True):
+        assert not b.isnan().any() and torch.equal(a, b), (name, (a.float() - b.float()).abs().max())
 
 
 def _split_case(case):

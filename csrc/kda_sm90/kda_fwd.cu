@@ -1,7 +1,7 @@
 // Launcher of the KDA prefill forward: size checks, device, shared-memory opt-in, launch. Instantiations: the fused
 // kernel with the bounded sigmoid gate, 64 or 128 V columns per CTA, mma.sync or wgmma, without and with the
 // phase_cycles instrumentation; the two-kernel form's prep kernel and its state kernel at 64 and 128 columns, each
-// also with the instrumentation.
+// also with the instrumentation, and the state kernel with the state in registers (pass 2 only).
 #include "kda_sm90/kda_fwd.h"
 
 #include <cuda_runtime_api.h>
@@ -11,6 +11,7 @@
 #include "common/cuda_check.h"
 #include "common/static_switch.h"
 #include "kda_sm90/kda_fwd_kernel.cuh"
+#include "kda_sm90/kda_state_rs_kernel.cuh"
 
 namespace fla_cula {
 namespace {
@@ -41,20 +42,21 @@ int64_t pass_ctas(KdaFwdParams const& a) {
 }  // namespace
 
 KdaFwdSpecialization const kKdaFwdSpecialization[kKdaFwdSpecializations] = {
-    {"sigmoid_lb", false, kda_sm90::kThreads, 64, false, kKdaFused, kda_sm90::kSmemBytes<64>},
-    {"sigmoid_lb", true, kda_sm90::kThreads, 64, false, kKdaFused, kda_sm90::kSmemBytes<64>},
-    {"sigmoid_lb", false, kda_sm90::kThreads, 128, false, kKdaFused, kda_sm90::kSmemBytes<128>},
-    {"sigmoid_lb", true, kda_sm90::kThreads, 128, false, kKdaFused, kda_sm90::kSmemBytes<128>},
-    {"sigmoid_lb", false, kda_sm90::kThreads, 64, true, kKdaFused, kda_sm90::kSmemBytes<64, true>},
-    {"sigmoid_lb", true, kda_sm90::kThreads, 64, true, kKdaFused, kda_sm90::kSmemBytes<64, true>},
-    {"sigmoid_lb", false, kda_sm90::kThreads, 128, true, kKdaFused, kda_sm90::kSmemBytes<128, true>},
-    {"sigmoid_lb", true, kda_sm90::kThreads, 128, true, kKdaFused, kda_sm90::kSmemBytes<128, true>},
-    {"sigmoid_lb", false, kda_sm90::kThreads, 0, true, kKdaPrep, kda_sm90::kPrepSmemBytes},
-    {"sigmoid_lb", true, kda_sm90::kThreads, 0, true, kKdaPrep, kda_sm90::kPrepSmemBytes},
-    {"none", false, kda_sm90::kThreads, 64, true, kKdaState, kda_sm90::kStateSmemBytes<64>},
-    {"none", true, kda_sm90::kThreads, 64, true, kKdaState, kda_sm90::kStateSmemBytes<64>},
-    {"none", false, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateSmemBytes<128>},
-    {"none", true, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateSmemBytes<128>},
+    {"sigmoid_lb", false, kda_sm90::kThreads, 64, false, kKdaFused, kda_sm90::kSmemBytes<64>, false},
+    {"sigmoid_lb", true, kda_sm90::kThreads, 64, false, kKdaFused, kda_sm90::kSmemBytes<64>, false},
+    {"sigmoid_lb", false, kda_sm90::kThreads, 128, false, kKdaFused, kda_sm90::kSmemBytes<128>, false},
+    {"sigmoid_lb", true, kda_sm90::kThreads, 128, false, kKdaFused, kda_sm90::kSmemBytes<128>, false},
+    {"sigmoid_lb", false, kda_sm90::kThreads, 64, true, kKdaFused, kda_sm90::kSmemBytes<64, true>, false},
+    {"sigmoid_lb", true, kda_sm90::kThreads, 64, true, kKdaFused, kda_sm90::kSmemBytes<64, true>, false},
+    {"sigmoid_lb", false, kda_sm90::kThreads, 128, true, kKdaFused, kda_sm90::kSmemBytes<128, true>, false},
+    {"sigmoid_lb", true, kda_sm90::kThreads, 128, true, kKdaFused, kda_sm90::kSmemBytes<128, true>, false},
+    {"sigmoid_lb", false, kda_sm90::kThreads, 0, true, kKdaPrep, kda_sm90::kPrepSmemBytes, false},
+    {"sigmoid_lb", true, kda_sm90::kThreads, 0, true, kKdaPrep, kda_sm90::kPrepSmemBytes, false},
+    {"none", false, kda_sm90::kThreads, 64, true, kKdaState, kda_sm90::kStateSmemBytes<64>, false},
+    {"none", true, kda_sm90::kThreads, 64, true, kKdaState, kda_sm90::kStateSmemBytes<64>, false},
+    {"none", false, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateSmemBytes<128>, false},
+    {"none", true, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateSmemBytes<128>, false},
+    {"none", false, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateRsSmemBytes, true},
 };
 
 void run_kda_fwd(KdaFwdParams const& a) {
@@ -70,6 +72,9 @@ void run_kda_fwd(KdaFwdParams const& a) {
                    "kda_fwd: expected pass 0 (fused), 1 (prep) or 2 (state), got " + std::to_string(a.pass));
   FLA_CULA_REQUIRE(a.pass == kKdaFused || (a.wgmma && a.rec != nullptr && a.units >= 1),
                    "kda_fwd: the prep / state passes need wgmma, records and units >= 1");
+  FLA_CULA_REQUIRE(!a.state_rs || (a.pass == kKdaState && !a.maps && a.h_inter == nullptr &&
+                                   a.phase_cycles == nullptr && a.block_v == 128),
+                   "kda_fwd: state_rs needs the state pass 2 at block_v 128 without maps, h_inter or phase_cycles");
   int64_t const ctas = pass_ctas(a);
   FLA_CULA_REQUIRE(ctas < (int64_t(1) << 31), "kda_fwd: too many CTAs: " + std::to_string(ctas));
   FLA_CULA_REQUIRE(a.q && a.k && a.v && a.g && a.beta && (a.o || a.pass == kKdaPrep || a.maps),
@@ -81,6 +86,10 @@ void run_kda_fwd(KdaFwdParams const& a) {
   FLA_CULA_BOOL_SWITCH(a.phase_cycles != nullptr, kProfile, [&] {
     if (a.pass == kKdaPrep) {
       launch<kda_sm90::kda_prep_kernel<kG, kProfile>, kda_sm90::kPrepSmemBytes>(a, ctas, "kda_prep_kernel");
+      return;
+    }
+    if (a.pass == kKdaState && a.state_rs) {
+      launch<kda_sm90::kda_state_rs_kernel, kda_sm90::kStateRsSmemBytes>(a, ctas, "kda_state_rs_kernel");
       return;
     }
     if (a.pass == kKdaState) {

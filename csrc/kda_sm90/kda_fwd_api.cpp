@@ -62,7 +62,7 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
                  bool use_qk_l2norm, bool use_beta_sigmoid, double beta_scale, bool state_v_first,
                  int block_v, py::handle phase_cycles_obj, bool wgmma, int pass, py::handle rec_obj,
                  int chunks_per_cta, int units, bool maps, py::handle seg_H_obj, py::handle seg_M_obj,
-                 py::handle h_inter_obj, py::handle chunk_offsets_obj) {
+                 py::handle h_inter_obj, py::handle chunk_offsets_obj, bool state_rs) {
   TensorArg q = tensor_arg(q_obj, "q");
   expect_dtype(q, {dtype::kBFloat16});
   expect_ndim(q, 4);
@@ -249,6 +249,12 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
   if (!chunk_offsets_obj.is_none() && p.chunk_offsets == nullptr) {
     throw py::value_error("chunk_offsets: expected None without varlen h_inter");
   }
+  if (state_rs && (pass != kKdaState || maps || block_v != 128 || p.h_inter != nullptr || !phase_cycles_obj.is_none())) {
+    throw py::value_error("state_rs: expected the state pass 2 (pass_kind 2, maps False) at block_v 128 without "
+                          "h_inter or phase_cycles, got pass_kind " + std::to_string(pass) + " maps " +
+                          (maps ? "True" : "False") + " block_v " + std::to_string(block_v));
+  }
+  p.state_rs = state_rs;
   p.pass = pass;
   p.chunks_per_cta = chunks_per_cta;
   p.units = units;
@@ -347,7 +353,7 @@ void register_kda_fwd(py::module_& m) {
         py::arg("block_v") = 64, py::arg("phase_cycles") = py::none(), py::arg("wgmma") = false,
         py::arg("pass_kind") = 0, py::arg("rec") = py::none(), py::arg("chunks_per_cta") = 0, py::arg("units") = 1,
         py::arg("maps") = false, py::arg("seg_H") = py::none(), py::arg("seg_M") = py::none(),
-        py::arg("h_inter") = py::none(), py::arg("chunk_offsets") = py::none(),
+        py::arg("h_inter") = py::none(), py::arg("chunk_offsets") = py::none(), py::arg("state_rs") = false,
         "Enqueue the fused KDA prefill forward v1 (csrc/kda_sm90/kda_fwd.h) on the current stream of q's device:\n"
         "bf16 q, k [B,T,H,128], v, raw gate g [B,T,HV,128], raw beta [B,T,HV] (bf16/fp32); gate\n"
         "a = lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) (A_log [HV], dt_bias [HV*128] or None);\n"
@@ -368,6 +374,8 @@ void register_kda_fwd(py::module_& m) {
         "h_inter (bf16 [B, NT, HV, 128, 128] in the state layout) or None: bf16 of the state at every chunk start\n"
         "(return_intermediate_states), written by the passes that write o; varlen needs chunk_offsets ([N+1]\n"
         "int32/int64, FLA's prepare_chunk_offsets) and NT = its last entry.\n"
+        "state_rs: pass 2 (block_v 128, no maps, h_inter or phase_cycles) on kda_state_rs_kernel, the state\n"
+        "transposed in wgmma registers (same rounding points as the default state kernel).\n"
         "TypeError / ValueError for bad arguments (before any CUDA call), RuntimeError for CUDA errors.\n"
         "Does not synchronize.");
   m.attr("KDA_FWD_PHASES") = kKdaFwdPhases;

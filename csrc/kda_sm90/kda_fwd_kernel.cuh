@@ -25,7 +25,7 @@
 // and writes each chunk's phase-7/8 operand tiles to a record in global memory, most of them from registers;
 // kda_state_kernel loads them (cp.async, two commit groups a chunk ahead) and does 7-8 over a sequence or one segment
 // of it (the exact sequence split: Params::maps, seg_H, seg_M; docs/kda_sm90.md "Two kernels and the exact sequence
-// split").
+// split"). kda_state_rs_kernel.cuh runs the same pass 2 with the state transposed in wgmma registers (Params::state_rs).
 // Every exponent formed is <= 0 except the block scalars 2^(A_r - B_s) <= 2^118 for lb >= -5
 // (docs/kda_sm90.md 1.3): nothing overflows. Products are warp-level mma.sync m16n8k16 over smem tiles
 // (warp_mma_tn); with kWgmma those of phases 6-8 are warpgroup MMAs (wg_mma_tn) over 128-byte-swizzled tiles.
@@ -417,6 +417,39 @@ constexpr int kRecAkkb = 0, kRecWn = kRecAkkb + kC * kC * 2, kRecQg = kRecWn + k
 constexpr int kRecAqk = kRecQg + kC * kK * 2, kRecKdT = kRecAqk + kC * kC * 2, kRecGamma = kRecKdT + kK * kC * 2;
 static_assert(kRecAqk == kKdaRecGroupA && kRecGamma + kK * 4 == kKdaRecBytes, "record layout");
 
+// [bos, eos) of sequence n in the flattened token index (clamped: a malformed cu_seqlens never reads outside)
+__device__ __forceinline__ void sequence_bounds(KdaFwdParams const& p, int n, int64_t& bos, int64_t& eos) {
+  int64_t const total = int64_t(p.B) * p.T;
+  if (p.cu_seqlens == nullptr) {
+    bos = int64_t(n) * p.T;
+    eos = bos + p.T;
+  } else if (p.cu_seqlens_int64) {
+    bos = static_cast<int64_t const*>(p.cu_seqlens)[n];
+    eos = static_cast<int64_t const*>(p.cu_seqlens)[n + 1];
+  } else {
+    bos = static_cast<int32_t const*>(p.cu_seqlens)[n];
+    eos = static_cast<int32_t const*>(p.cu_seqlens)[n + 1];
+  }
+  bos = bos < 0 ? 0 : (bos > total ? total : bos);
+  eos = eos < bos ? bos : (eos > total ? total : eos);
+}
+
+// The chunks [c_lo, c_hi) of unit u (a prep block or a state segment) of cpc chunks each (cpc = 0: the whole
+// sequence, c_lo = 0, c_hi = nchunks): the last unit last_u also takes whatever lies beyond, so every chunk has a CTA
+// whatever the host's unit count. last_seg: the last unit that holds a chunk (0 for an empty sequence).
+__device__ __forceinline__ void unit_chunks(int cpc, int u, int last_u, int nchunks, int& c_lo, int& c_hi,
+                                            int& last_seg) {
+  c_lo = 0;
+  c_hi = nchunks;
+  last_seg = 0;
+  if (cpc > 0) {
+    c_lo = u * cpc < nchunks ? u * cpc : nchunks;
+    c_hi = u == last_u || nchunks - c_lo < cpc ? nchunks : c_lo + cpc;
+    last_seg = nchunks > 0 ? (nchunks - 1) / cpc : 0;
+    last_seg = last_seg < last_u ? last_seg : last_u;
+  }
+}
+
 // The kernels' body (they follow it). kProfile: the phase_cycles instrumentation is compiled in (a separate
 // instantiation, so the timed-off kernel keeps its registers and schedule). kPass: kKdaFused runs every phase of every
 // chunk; kKdaPrep phases 1-6 (no state: chunk-parallel) and writes records; kKdaState reads them and runs 7-8.
@@ -564,36 +597,15 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   bool const with_o = kPass == kKdaFused || (kPass == kKdaState && !p.maps);  // runtime only in kState
   bool const with_v = kPass == kKdaFused || (kPass == kKdaState && !mmap);
 
-  // sequence bounds in the flattened token index (clamped: a malformed cu_seqlens never reads outside)
-  int64_t const total = int64_t(p.B) * p.T;
   int64_t bos, eos;
-  if (p.cu_seqlens == nullptr) {
-    bos = int64_t(n) * p.T;
-    eos = bos + p.T;
-  } else if (p.cu_seqlens_int64) {
-    bos = static_cast<int64_t const*>(p.cu_seqlens)[n];
-    eos = static_cast<int64_t const*>(p.cu_seqlens)[n + 1];
-  } else {
-    bos = static_cast<int32_t const*>(p.cu_seqlens)[n];
-    eos = static_cast<int32_t const*>(p.cu_seqlens)[n + 1];
-  }
-  bos = bos < 0 ? 0 : (bos > total ? total : bos);
-  eos = eos < bos ? bos : (eos > total ? total : eos);
-  int64_t const len = eos - bos;
-  int const nchunks = int((len + kC - 1) / kC);
+  sequence_bounds(p, n, bos, eos);
+  int const nchunks = int((eos - bos + kC - 1) / kC);
   // the chunks of this CTA: [c_lo, c_hi), chunks_per_cta of them from unit u's start; the last unit (prep block or
   // pass-2 segment P - 1) also takes whatever lies beyond, so every chunk has a CTA whatever the host's units
   int c_lo = 0, c_hi = nchunks, last_seg = 0;
   if constexpr (kPass != kKdaFused) {
-    int const cpc = p.chunks_per_cta;
-    if (cpc > 0) {
-      int const u = kPass == kKdaPrep ? unit : seg;
-      int const last_u = (kPass == kKdaState && p.maps ? (p.units + 3) / 2 : p.units) - 1;
-      c_lo = u * cpc < nchunks ? u * cpc : nchunks;
-      c_hi = u == last_u || nchunks - c_lo < cpc ? nchunks : c_lo + cpc;
-      last_seg = nchunks > 0 ? (nchunks - 1) / cpc : 0;
-      last_seg = last_seg < last_u ? last_seg : last_u;
-    }
+    unit_chunks(p.chunks_per_cta, kPass == kKdaPrep ? unit : seg,
+                (kPass == kKdaState && p.maps ? (p.units + 3) / 2 : p.units) - 1, nchunks, c_lo, c_hi, last_seg);
     // nothing to do: a prep block past the sequence's chunks, a pass-2 segment past them (segment 0 of an empty
     // sequence still writes ht = h0). A maps CTA always writes: an empty segment's map is (M, H) = (I, 0).
     // Uniform per CTA, before any barrier.

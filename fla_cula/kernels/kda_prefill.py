@@ -52,15 +52,18 @@ _PARAM_DTYPES = (torch.float32, torch.bfloat16)
 # 6-8) on warpgroup MMA (docs/kda_sm90.md "v2.1": 20% faster per chunk than mma.sync at block_v 128);
 # False: the same phases on mma.sync, kept for comparison. two_kernel: None = the cost model picks the fused kernel
 # or the two-kernel form (the latter only once TWO_KERNEL_VERIFIED); True / False forces it. segments: None = the
-# cost model's split of the two-kernel form; P >= 1 forces P segments (1: no split).
-_TUNING = {"block_v": None, "wgmma": True, "two_kernel": None, "segments": None}
+# cost model's split of the two-kernel form; P >= 1 forces P segments (1: no split). state_rs: the two-kernel form's
+# pass 2 on kda_state_rs_kernel (the state transposed in wgmma registers, docs/kda_sm90.md "v4"); off until it has
+# been measured on the H200 (STATE_RS_VERIFIED).
+STATE_RS_VERIFIED = False
+_TUNING = {"block_v": None, "wgmma": True, "two_kernel": None, "segments": None, "state_rs": STATE_RS_VERIFIED}
 
 
 def set_tuning(block_v: int | None = None, wgmma: bool = True, two_kernel: bool | None = None,
-               segments: int | None = None) -> None:
+               segments: int | None = None, state_rs: bool = STATE_RS_VERIFIED) -> None:
     """Force the V columns per CTA (64 or 128) for every call (None: chosen per call), pick the instruction of the
-    state-side products (wgmma or mma.sync), force or forbid the two-kernel form and its number of segments; no
-    argument: the defaults."""
+    state-side products (wgmma or mma.sync), force or forbid the two-kernel form and its number of segments, and pick
+    the two-kernel form's pass-2 kernel (state_rs: the state in registers); no argument: the defaults."""
     if block_v not in (None, 64, 128):
         raise ValueError(f"block_v={block_v!r}: expected None, 64 or 128")
     if not isinstance(wgmma, bool):
@@ -69,9 +72,11 @@ def set_tuning(block_v: int | None = None, wgmma: bool = True, two_kernel: bool 
         raise TypeError(f"two_kernel: expected None or a bool, got {two_kernel!r}")
     if segments is not None and (not isinstance(segments, int) or isinstance(segments, bool) or segments < 1):
         raise ValueError(f"segments={segments!r}: expected None or an int >= 1")
+    if not isinstance(state_rs, bool):
+        raise TypeError(f"state_rs: expected a bool, got {type(state_rs).__name__}")
     if two_kernel and not wgmma:
         raise ValueError("two_kernel=True needs wgmma=True (the records are wgmma tile images)")
-    _TUNING.update(block_v=block_v, wgmma=wgmma, two_kernel=two_kernel, segments=segments)
+    _TUNING.update(block_v=block_v, wgmma=wgmma, two_kernel=two_kernel, segments=segments, state_rs=state_rs)
 
 
 @functools.lru_cache(maxsize=16)
@@ -297,11 +302,12 @@ def combine_segments(seg_H: torch.Tensor, seg_M: torch.Tensor) -> None:
 
 
 def run_two_kernel(launch, N: int, HV: int, slots: int, device, plan: TwoKernelPlan, o, ht, Aqk, Akk,
-                   out_kw: dict | None = None, combine=combine_segments) -> None:
+                   out_kw: dict | None = None, combine=combine_segments, state_rs: bool = False) -> None:
     """The two-kernel form: `launch(**kw)` runs one pass of the kernel (the extension's kda_fwd with this call's
     inputs bound; the CPU emulator in tests) with the keywords pass_kind, rec, chunks_per_cta, units, maps, seg_H,
     seg_M, block_v, o, ht, Aqk, Akk, and out_kw (h_inter, chunk_offsets) for the pass that writes o; `combine(seg_H,
-    seg_M)` is the split's combine (the forward passes `_C.kda_combine`). Allocates the records (64.5 KB per chunk
+    seg_M)` is the split's combine (the forward passes `_C.kda_combine`). state_rs: pass 2 on kda_state_rs_kernel
+    (128 columns per CTA; not with h_inter, which keeps kda_state_kernel). Allocates the records (64.5 KB per chunk
     and value head) and the segment states (64 KB per (sequence, value head) and segment, 2 P - 3 of them)."""
     rec = torch.empty(HV, slots, REC_BYTES, dtype=torch.uint8, device=device)
     launch(pass_kind=1, rec=rec, chunks_per_cta=PREP_CHUNKS, units=plan.prep_units, maps=False, seg_H=None,
@@ -313,8 +319,10 @@ def run_two_kernel(launch, N: int, HV: int, slots: int, device, plan: TwoKernelP
         launch(pass_kind=2, rec=rec, chunks_per_cta=plan.seg_chunks, units=2 * P - 3, maps=True, seg_H=seg_H,
                seg_M=seg_M, block_v=128, o=None, ht=None, Aqk=None, Akk=None)
         combine(seg_H, seg_M)
+    out_kw = out_kw or {}
+    rs = {"state_rs": True, "block_v": 128} if state_rs and out_kw.get("h_inter") is None else {}
     launch(pass_kind=2, rec=rec, chunks_per_cta=plan.seg_chunks, units=P, maps=False, seg_H=seg_H, seg_M=None,
-           block_v=plan.block_v, o=o, ht=ht, Aqk=None, Akk=None, **(out_kw or {}))
+           **{"block_v": plan.block_v, **rs}, o=o, ht=ht, Aqk=None, Akk=None, **out_kw)
 
 
 def _route_reason(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu,
@@ -442,7 +450,7 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seq
         two = two_kernel_choice(_lens(q, cu_seqlens, cu_seqlens_cpu), HV, _sm_count(dev))
     if two is not None:
         run_two_kernel(functools.partial(launch, wgmma=True), N, HV, record_slots(B, T, N), dev, two, o, ht, Aqk,
-                       Akk, out_kw, _C.kda_combine)
+                       Akk, out_kw, _C.kda_combine, state_rs=_TUNING["state_rs"])
     else:
         launch(o=o, ht=ht, Aqk=Aqk, Akk=Akk, block_v=_block_v(N, HV, dev), wgmma=_TUNING["wgmma"], **out_kw)
     if not need_grad:

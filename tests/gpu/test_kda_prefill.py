@@ -491,21 +491,27 @@ TWO_KERNEL_CASES = {"T65-B1-vfirst": FIXED["T65-B1-vfirst"],
                     "slow-varlen-H4-lb-5": SLOW["slow-varlen-H4-lb-5"]}
 
 
+def _forward_pair(c, fla_fns, *tunings):
+    """check_forward under each set_tuning(**knobs) in turn: [(o, ht, errors)], the defaults restored after."""
+    from fla_cula.kernels import kda_prefill
+    outs = []
+    try:
+        for knobs in tunings:
+            kda_prefill.set_tuning(**knobs)
+            fla_cula.reset_status()
+            _, o, ht, errs = check_forward(c, fla_fns)
+            outs.append((o, ht, errs))
+    finally:
+        kda_prefill.set_tuning()
+    return outs
+
+
 @pytest.mark.parametrize("segments", [1, 3, 8])
 @pytest.mark.parametrize("bv", [64, 128])
 @pytest.mark.parametrize("c", _params(TWO_KERNEL_CASES, {"T65-B1-vfirst", "empty-mid-i64", "slow-H4-lb-5-B1"}))
 def test_two_kernel(c, bv, segments, strict_mode, fla_fns):
-    from fla_cula.kernels import kda_prefill
-    outs = {}
-    try:
-        for two in (False, True):
-            kda_prefill.set_tuning(block_v=bv, two_kernel=two, segments=segments if two else None)
-            fla_cula.reset_status()
-            _, o, ht, errs = check_forward(c, fla_fns)
-            outs[two] = (o, ht, errs)
-    finally:
-        kda_prefill.set_tuning()
-    (o1, ht1, e1), (o2, ht2, e2) = outs[False], outs[True]
+    (o1, ht1, e1), (o2, ht2, e2) = _forward_pair(c, fla_fns, dict(block_v=bv, two_kernel=False),
+                                                 dict(block_v=bv, two_kernel=True, segments=segments))
     if segments == 1:
         assert torch.equal(o1, o2) and (ht1 is None or torch.equal(ht1, ht2))
     else:
@@ -516,13 +522,32 @@ def test_two_kernel(c, bv, segments, strict_mode, fla_fns):
             assert ht1 is None or rel_rms(ht1, ht2) < 1e-3
 
 
-def test_two_kernel_graph_replay(strict_mode):
-    """The split (prep, maps, the fp64 combine, pass 2) captured in a CUDA graph replays to the eager bits."""
+# kda_state_rs_kernel (set_tuning(state_rs=True)): pass 2 with the state transposed in wgmma registers. Same operands,
+# rounding points and k-block order as kda_state_kernel<128> (the CPU emulation gives the same bits:
+# tests/test_kda_prefill_compile.py test_state_rs_emulated_same_bits); on the GPU the tensor cores may order a
+# block's products differently in the other operand roles, so the bar is the fp64 / FLA one, errors within 5% of the
+# default state kernel's and o / final state within a few bf16 roundings of it.
+@pytest.mark.parametrize("segments", [1, 3])
+@pytest.mark.parametrize("c", _params(TWO_KERNEL_CASES, {"T65-B1-vfirst", "empty-mid-i64", "slow-varlen-H4-lb-5"}))
+def test_state_rs(c, segments, strict_mode, fla_fns):
+    knobs = dict(block_v=128, two_kernel=True, segments=segments)
+    (o1, ht1, e1), (o2, ht2, e2) = _forward_pair(c, fla_fns, knobs, dict(knobs, state_rs=True))
+    same = torch.equal(o1, o2) and (ht1 is None or torch.equal(ht1, ht2))
+    print(f"\n{describe(c)} P={segments}: errors {e1} -> {e2}; bit-identical: {same}")
+    for name in e1.keys() & {"o", "ht"}:
+        assert e2[name] <= 1.05 * e1[name] + 1e-5, (name, e2[name], e1[name])
+    assert rel_rms(o1.float(), o2.float()) < 1e-3
+    assert ht1 is None or rel_rms(ht1, ht2) < 1e-3
+
+
+@pytest.mark.parametrize("state_rs", [False, True])
+def test_two_kernel_graph_replay(state_rs, strict_mode):
+    """The split (prep, maps, the combine, pass 2) captured in a CUDA graph replays to the eager bits."""
     from fla_cula.kernels import kda_prefill
     c = cfg(T=1000, B=1, H=2, HV=4, seed=31)
     x = make_inputs(c)
     try:
-        kda_prefill.set_tuning(two_kernel=True, segments=4)
+        kda_prefill.set_tuning(two_kernel=True, segments=4, state_rs=state_rs)
         with torch.inference_mode():
             o1, ht1 = call(ops_kda.chunk_kda, x, c)
             s = torch.cuda.Stream()
@@ -572,6 +597,10 @@ def test_two_kernel_abi_errors():
         pass_kind=2, rec=rec, units=3, seg_H=seg)
     err(r"units: expected 2 P - 3 \(odd\) with maps, got 2", (None, None, None, None), pass_kind=2, rec=rec,
         units=2, maps=True, chunks_per_cta=1, block_v=128)
+    err(r"state_rs: expected the state pass 2 .* got pass_kind 2 maps False block_v 64", (o, None, None, None),
+        pass_kind=2, rec=rec, block_v=64, state_rs=True)
+    err(r"state_rs: expected the state pass 2 .* got pass_kind 1", (None, None, None, None), pass_kind=1, rec=rec,
+        state_rs=True)
 
 
 # return_intermediate_states (inference): h, bf16(S) at every chunk start in FLA's layout ([B, NT, HV, K, V], V-first

@@ -1,0 +1,302 @@
+// The two-kernel form's state pass with the state transposed in registers (docs/kda_sm90.md "v4: the state pass in
+// registers"): pass 2 over whole sequences or the segments of the exact split, reading the prep's records.
+//
+// Per (sequence n, value head hv) and chunk of 64 tokens, with the record's tiles (akkb = X diag(b), -W, Qg, Aqk,
+// Kd^T, gamma) and v of the chunk, the state S (128 channels x 128 columns, fp32) is kept as S^T:
+//   V'^T = v^T akkb^T + bf16(S^T) (-W)^T            (64 columns x 64 tokens per warpgroup)
+//   O^T  = bf16(S^T) Qg^T + bf16(V'^T) Aqk^T        (o rows < the chunk's length are stored)
+//   S^T  = S^T diag(gamma) + bf16(V'^T) Kd
+// Warpgroup w owns the state columns 64 w .. 64 w + 63 (rows of S^T): its columns are an independent recurrence
+// under the chunk's K-side operators, so the two warpgroups share the record and never wait for each other's products.
+// S^T and V'^T are wgmma accumulators whose 16-column blocks are also the A fragments of the next product (fp32
+// packed to bf16 in registers), so the serial chain S -> V' -> S has no shared-memory round trip; every B operand is
+// a record tile as the prep wrote it (K-major, 128-byte swizzled), and v^T is read as an MN-major A from v's own rows.
+// The rounding points and the order of every sum are those of kda_state_kernel (bf16(S), bf16(V'), fp32
+// accumulation over 16-channel blocks in order), so the CPU emulation gives the same bits as that kernel's.
+//
+// Pipeline: two stages of (record, v rows) filled by cp.async one chunk ahead; one CTA barrier per chunk publishes
+// chunk c's stage and frees the other for chunk c + 1. O^T leaves through a per-warpgroup staging tile
+// (stmatrix.trans, then 16-byte row stores).
+#pragma once
+
+#include "kda_sm90/kda_fwd_kernel.cuh"
+
+namespace fla_cula::kda_sm90 {
+
+constexpr int kRsRecBytes = (kKdaRecBytes + 1023) / 1024 * 1024;  // a stage's record image, 1024-byte aligned tiles
+
+// One CTA per SM (~178 KB): two stages and the output tiles.
+struct StateRsStorage {
+  struct Stage {
+    alignas(1024) unsigned char rec[kRsRecBytes];  // the record, byte for byte (kRec* offsets are 1024-aligned)
+    alignas(1024) bf16 v[2][kC][64];               // per warpgroup: v rows [token][its 64 columns], MN-major sw128
+  } st[2];
+  alignas(1024) bf16 o[2][kC][64];                 // per warpgroup: O rows [token][its 64 columns], sw128
+};
+constexpr int kStateRsSmemBytes = int(sizeof(StateRsStorage));
+static_assert(kStateRsSmemBytes <= 227 * 1024, "shared memory over the SM90 opt-in maximum");
+static_assert(kRecAkkb % 1024 == 0 && kRecWn % 1024 == 0 && kRecQg % 1024 == 0 && kRecAqk % 1024 == 0 &&
+                  kRecKdT % 1024 == 0 && kRecGamma % 16 == 0,
+              "record tiles at 1024-byte offsets: the swizzle is a function of the shared-memory address");
+
+#ifndef FLA_CULA_KDA_HOST_EMULATION
+namespace wg {
+template <int N>
+using MmaRS = cute::conditional_t<
+    N == 128, cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_RS<cute::GMMA::Major::K, cute::GMMA::Major::K>,
+    cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<cute::GMMA::Major::K, cute::GMMA::Major::K>>;
+using MmaMN = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::GMMA::Major::MN, cute::GMMA::Major::K>;
+
+template <int N, size_t... I>
+__device__ __forceinline__ void fma_rs(uint32_t const (&a)[4], uint64_t db, float* d, cute::GMMA::ScaleOut s,
+                                       std::index_sequence<I...>) {
+  MmaRS<N>::fma(a[0], a[1], a[2], a[3], db, d[I]..., s);
+}
+template <size_t... I>
+__device__ __forceinline__ void fma_mn(uint64_t da, uint64_t db, float* d, cute::GMMA::ScaleOut s,
+                                       std::index_sequence<I...>) {
+  MmaMN::fma(da, db, d[I]..., s);
+}
+// the descriptor of the first 16-row block of a [64 k][64 m] MN-major SW128 tile (element (m, k) at sw128(k, m));
+// block kb starts 16 rows x 128 B = 2048 B later (+128 in the descriptor's address units)
+__device__ __forceinline__ cute::GmmaDescriptor desc_mn(bf16 const* tile) {
+  using namespace cute;
+  auto layout = tile_to_shape(GMMA::Layout_MN_SW128_Atom<Bf>{}, Shape<_64, _64>{});
+  Tensor t = make_tensor(make_smem_ptr(reinterpret_cast<Bf const*>(tile)), layout);
+  return GMMA::make_gmma_desc<GMMA::Major::MN>(local_tile(t, Shape<_64, _16>{}, make_coord(0, 0)));
+}
+}  // namespace wg
+#endif
+
+// registers a wgmma reads or writes (accumulators, A fragments): the compiler keeps its accesses on their side of
+// the wgmma fence / wait
+template <class T, int R, int C>
+__device__ __forceinline__ void fence_regs(T (&a)[R][C]) {
+#ifndef FLA_CULA_KDA_HOST_EMULATION
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int e = 0; e < C; ++e) cute::warpgroup_fence_operand(a[i][e]);
+#endif
+}
+
+// acc (accumulate ? += : =) A[0:64, 0:K] B[0:N, 0:K]^T, A from registers: a[kb] is the m64k16 fragment of columns
+// 16 kb .. 16 kb + 15 (the accumulator layout of those columns, packed to bf16 pairs); B a K-major sw128 tile as in
+// wg_mma_tn. Issued only: the caller fences, commits and waits.
+template <int N, int K, int BRows = N>
+__device__ __forceinline__ void wg_rs(float (&acc)[N / 8][4], uint32_t const (&a)[K / 16][4], bf16 const* B,
+                                      bool accumulate) {
+#ifdef FLA_CULA_KDA_HOST_EMULATION
+  kda_emulated_wgmma_rs<N, K, BRows>(acc, a, B, accumulate);
+#else
+  cute::GmmaDescriptor const db = wg::desc<N>(B);
+#pragma unroll
+  for (int kb = 0; kb < K / 16; ++kb) {
+    cute::GmmaDescriptor b = db;
+    b.reg32_[0] += (kb >> 2) * BRows * 8 + 2 * (kb & 3);
+    wg::fma_rs<N>(a[kb], b.desc_, &acc[0][0],
+                  kb == 0 && !accumulate ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
+                  std::make_index_sequence<N / 2>{});
+  }
+#endif
+}
+
+// acc = A[0:64, 0:64] B[0:64, 0:64]^T, A an MN-major [64 k][64 m] sw128 tile, B a K-major sw128 tile. Issued only.
+__device__ __forceinline__ void wg_mn(float (&acc)[8][4], bf16 const* A, bf16 const* B) {
+#ifdef FLA_CULA_KDA_HOST_EMULATION
+  kda_emulated_wgmma_mn(acc, A, B);
+#else
+  cute::GmmaDescriptor const da = wg::desc_mn(A), db = wg::desc<64>(B);
+#pragma unroll
+  for (int kb = 0; kb < 4; ++kb) {
+    cute::GmmaDescriptor a = da, b = db;
+    a.reg32_[0] += 128 * kb;
+    b.reg32_[0] += 2 * kb;
+    wg::fma_mn(a.desc_, b.desc_, &acc[0][0], kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
+               std::make_index_sequence<32>{});
+  }
+#endif
+}
+
+__device__ __forceinline__ void wg_arrive() {
+#ifndef FLA_CULA_KDA_HOST_EMULATION
+  cute::warpgroup_arrive();
+#endif
+}
+__device__ __forceinline__ void wg_commit_wait() {
+#ifndef FLA_CULA_KDA_HOST_EMULATION
+  cute::warpgroup_commit_batch();
+  cute::warpgroup_wait<0>();
+#endif
+}
+
+// the 128 threads of warpgroup w (named barrier 1 + w)
+__device__ __forceinline__ void wg_barrier(int w) {
+#ifdef FLA_CULA_KDA_HOST_EMULATION
+  kda_emulated_wg_barrier(w);
+#else
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + w) : "memory");
+#endif
+}
+
+// bf16 A fragments of the 16-column blocks of a 64 x 16 KB accumulator (the accumulator layout: a[kb] = columns
+// 16 kb .. 16 kb + 15, rows g and g + 8, column pairs 2 t and 2 t + 8)
+template <int KB>
+__device__ __forceinline__ void to_frag(uint32_t (&a)[KB][4], float const (&acc)[2 * KB][4]) {
+#pragma unroll
+  for (int kb = 0; kb < KB; ++kb) {
+    a[kb][0] = pack_bf16(acc[2 * kb][0], acc[2 * kb][1]);
+    a[kb][1] = pack_bf16(acc[2 * kb][2], acc[2 * kb][3]);
+    a[kb][2] = pack_bf16(acc[2 * kb + 1][0], acc[2 * kb + 1][1]);
+    a[kb][3] = pack_bf16(acc[2 * kb + 1][2], acc[2 * kb + 1][3]);
+  }
+}
+
+// Pass 2 of the two-kernel form (Params::pass = kState, maps off, block_v 128, no h_inter): CTA = (n, segment, hv)
+// as kda_state_kernel<128>'s grid; 256 threads = two warpgroups of 64 state columns each.
+__global__ void __launch_bounds__(kThreads, 1) kda_state_rs_kernel(__grid_constant__ KdaFwdParams const p) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  StateRsStorage& sm = *reinterpret_cast<StateRsStorage*>(smem_raw);
+#ifndef FLA_CULA_KDA_HOST_EMULATION
+  if (cute::cast_smem_ptr_to_uint(smem_raw) & 1023u) __trap();  // the swizzle needs a 1024-byte aligned base
+#endif
+  int const tid = threadIdx.x, w = tid >> 7, wi = (tid >> 5) & 3, lane = tid & 31;
+  int const g8 = lane >> 2, t4 = lane & 3;
+  int x = blockIdx.x;
+  int const hv = x % p.HV;
+  x /= p.HV;
+  int const seg = x % p.units;
+  int const n = x / p.units;
+
+  int64_t bos, eos;
+  sequence_bounds(p, n, bos, eos);
+  int const nchunks = int((eos - bos + kC - 1) / kC);
+  int c_lo, c_hi, last_seg;
+  unit_chunks(p.chunks_per_cta, seg, p.units - 1, nchunks, c_lo, c_hi, last_seg);
+  if (seg > last_seg) return;  // past the sequence's chunks (segment 0 of an empty sequence still writes ht = h0)
+
+  unsigned char const* const rec0 =
+      static_cast<unsigned char const*>(p.rec) + (int64_t(hv) * p.rec_slots + bos / kC + n) * kKdaRecBytes;
+  bf16 const* const vg = static_cast<bf16 const*>(p.v) + hv * p.v_head_stride;
+  bf16* const og = static_cast<bf16*>(p.o) + hv * p.o_head_stride + 64 * w;
+
+  // chunk c's record and v rows (rows past the sequence zero) into stage s, one commit group
+  auto issue = [&](int c, int s) {
+    unsigned char const* const src = rec0 + int64_t(c) * kKdaRecBytes;
+    for (int b = 16 * tid; b < kKdaRecBytes; b += 16 * kThreads) cp_async16(sm.st[s].rec + b, src + b, true);
+    int64_t const t0 = bos + int64_t(c) * kC;
+    int64_t const left = eos - t0;
+#pragma unroll
+    for (int u = 0; u < 2 * kC * 8 / kThreads; ++u) {
+      int const idx = tid + u * kThreads, vw = idx >> 9, t = (idx >> 3) & 63, q = idx & 7;
+      bool const in = t < left;
+      cp_async16(&sm.st[s].v[vw][0][0] + sw128(t, 8 * q), vg + (in ? (t0 + t) * p.v_tok_stride + 64 * vw + 8 * q : 0),
+                 in);
+    }
+    cp_async_commit();
+  };
+
+  if (c_lo < c_hi) issue(c_lo, 0);  // the first chunk's loads overlap the start state's
+
+  // S^T: rows 16 wi + g8 (+ 8) of warpgroup w are state columns col0 (+ 8), accumulator columns are channels d. The
+  // start is h0 (segment 0), the combined seg_H of the segment before, or zero; element (d, col) of a state lies at
+  // base[d * sd + col * sc] (h0 / ht in their layout, seg_H K-major)
+  float S[16][4];
+  int64_t const pair = int64_t(n) * p.HV + hv;
+  int const sd = p.state_v_first ? 1 : 128, sc = p.state_v_first ? kK : 1;
+  int const col0 = 64 * w + 16 * wi + g8, d0 = 2 * t4;
+  {
+    float const* const base = seg > 0 ? p.seg_H + (int64_t(seg - 1) * p.N * p.HV + pair) * kK * 128
+                              : p.h0 != nullptr ? p.h0 + pair * kK * 128 : nullptr;
+    int const bd = seg > 0 ? 128 : sd, bc = seg > 0 ? 1 : sc;
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        int const off = (d0 + nt * 8 + (e & 1)) * bd + (col0 + (e >> 1) * 8) * bc;
+        S[nt][e] = base != nullptr ? base[off] : 0.f;
+      }
+    }
+  }
+
+  for (int c = c_lo; c < c_hi; ++c) {
+    int const s = (c - c_lo) & 1;
+    cp_async_wait_group<0>();  // this thread's copies of chunk c landed ...
+    fence_async_shared();      // ... and become visible to wgmma after the barrier,
+    __syncthreads();           // which also ends every read of the other stage (chunk c - 1)
+    if (c + 1 < c_hi) issue(c + 1, s ^ 1);
+    unsigned char const* const r = sm.st[s].rec;
+    auto tile = [&](int off) { return reinterpret_cast<bf16 const*>(r + off); };
+
+    // V'^T = v^T akkb^T + bf16(S^T) (-W)^T
+    float vp[8][4];
+    uint32_t aS[8][4];
+    to_frag(aS, S);
+    fence_regs(vp);
+    fence_regs(aS);
+    wg_arrive();
+    wg_mn(vp, &sm.st[s].v[w][0][0], tile(kRecAkkb));
+    wg_rs<64, 128, 64>(vp, aS, tile(kRecWn), true);
+    wg_commit_wait();
+    fence_regs(vp);
+
+    // S^T = S^T diag(gamma) + bf16(V'^T) Kd;  O^T = bf16(S^T) Qg^T + bf16(V'^T) Aqk^T (S^T first: the chain)
+    uint32_t aV[4][4];
+    to_frag(aV, vp);
+    float const* const gamma = reinterpret_cast<float const*>(r + kRecGamma);
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+      float2 const gm = *reinterpret_cast<float2 const*>(gamma + nt * 8 + 2 * t4);
+      S[nt][0] *= gm.x;
+      S[nt][1] *= gm.y;
+      S[nt][2] *= gm.x;
+      S[nt][3] *= gm.y;
+    }
+    float oa[8][4];
+    fence_regs(S);
+    fence_regs(oa);
+    fence_regs(aV);
+    wg_arrive();
+    wg_rs<128, 64>(S, aV, tile(kRecKdT), true);
+    wg_rs<64, 128, 64>(oa, aS, tile(kRecQg), false);
+    wg_rs<64, 64>(oa, aV, tile(kRecAqk), true);
+    wg_commit_wait();
+    fence_regs(S);
+    fence_regs(oa);
+
+    // O^T -> O rows: stmatrix.trans of (tokens 8 nt .. + 7) x (columns 16 wi (+ 8)), then rows < the chunk's length
+    {
+      int const m = lane >> 3, j = lane & 7;
+      bf16* const ot = &sm.o[w][0][0];
+#pragma unroll
+      for (int nt = 0; nt < 8; nt += 2) {
+        stmatrix_x4_trans(ot + sw128((nt + (m >> 1)) * 8 + j, 16 * wi + (m & 1) * 8), pack_bf16(oa[nt][0], oa[nt][1]),
+                          pack_bf16(oa[nt][2], oa[nt][3]), pack_bf16(oa[nt + 1][0], oa[nt + 1][1]),
+                          pack_bf16(oa[nt + 1][2], oa[nt + 1][3]));
+      }
+      wg_barrier(w);
+      int64_t const t0 = bos + int64_t(c) * kC;
+      int64_t const left = eos - t0;
+#pragma unroll
+      for (int u = 0; u < kC * 8 / 128; ++u) {
+        int const idx = (tid & 127) + 128 * u, t = idx >> 3, q = idx & 7;
+        if (t < left) {
+          *reinterpret_cast<uint4*>(og + (t0 + t) * p.o_tok_stride + 8 * q) =
+              *reinterpret_cast<uint4 const*>(ot + sw128(t, 8 * q));
+        }
+      }
+    }
+  }
+
+  // the final state (the last segment): S^T's rows are state columns, in the h0 layout
+  if (p.ht != nullptr && seg == last_seg) {
+    float* const base = p.ht + pair * kK * 128;
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) base[(d0 + nt * 8 + (e & 1)) * sd + (col0 + (e >> 1) * 8) * sc] = S[nt][e];
+    }
+  }
+}
+
+}  // namespace fla_cula::kda_sm90
