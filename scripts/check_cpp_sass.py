@@ -31,8 +31,9 @@ REQUIRED_SASS: dict[str, list[str]] = {
     # kernel (wgmma products, cp.async record loads)
     r"kda_prep_kernel": ["HMMA", "HGMMA", "LDGSTS"],
     r"kda_state_kernel": ["HGMMA", "LDGSTS"],
-    # pass 2 with the state in registers: RS / MN-major wgmma, cp.async stages, O through stmatrix
-    r"kda_state_rs_kernel": ["HGMMA", "LDGSTS", "STSM"],
+    # the state passes with the state in registers: RS / MN-major wgmma, cp.async stages; pass 2's O through stmatrix
+    r"kda_state_rs_kernel": ["HGMMA", "LDGSTS"],
+    r"kda_state_rs_kernel<false>": ["STSM"],
     r"kda_combine_kernel": ["LDGSTS"],  # the split's combine: fp32 FMAs on CUDA cores, the maps by cp.async
 }
 ARCH = "sm_90a"

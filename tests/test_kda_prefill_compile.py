@@ -470,7 +470,7 @@ def test_sass_hmma_no_spills():
     names = _ext.demangle(list(sass))
     kda = [s for s in sass if "kda_fwd_kernel" in names[s] or "kda_prep_kernel" in names[s]
            or "kda_state_kernel" in names[s] or "kda_state_rs_kernel" in names[s]]
-    assert len(kda) == 15, sorted(names.values())   # csrc/kda_sm90/kda_fwd.h kKdaFwdSpecializations
+    assert len(kda) == 16, sorted(names.values())   # csrc/kda_sm90/kda_fwd.h kKdaFwdSpecializations
     for s in kda:
         arch, ops = sass[s]
         assert arch == "sm_90a"
@@ -738,7 +738,7 @@ extern "C" void emu_run(void const* q, void const* k, void const* v, void const*
         if (pass == kKdaPrep) {
           kda_sm90::kda_prep_kernel<kG>(p);
         } else if (pass == kKdaState && p.state_rs) {
-          kda_sm90::kda_state_rs_kernel(p);
+          p.maps ? kda_sm90::kda_state_rs_kernel<true>(p) : kda_sm90::kda_state_rs_kernel<false>(p);
         } else if (pass == kKdaState) {
           block_v == 128 ? kda_sm90::kda_state_kernel<128>(p) : kda_sm90::kda_state_kernel<64>(p);
         } else if (block_v == 128) {
@@ -1002,9 +1002,9 @@ def test_two_kernel_emulated_same_bits_as_fused(emulator, case, block_v):
 ])
 def test_state_rs_emulated_same_bits(emulator, case, segments, seg_chunks):
     """kda_state_rs_kernel (the state transposed in wgmma registers, RS products, v^T as an MN-major A, O through
-    stmatrix.trans) against kda_state_kernel<128> on the same records, both emulated: the operands, the rounding points
-    and the order of every sum are the same, so o and the final state are bit-identical (NaN-poisoned outputs); a
-    fragment, a swizzle, a stage or a store index out of place is not."""
+    stmatrix.trans; split: its maps pass too) against kda_state_kernel<128> on the same records, both emulated: the
+    operands, the rounding points and the order of every sum are the same, so o and the final state are bit-identical
+    (NaN-poisoned outputs and segment states); a fragment, a swizzle, a stage or a store index out of place is not."""
     _ext_or_skip()
     if case.startswith("fixed-random") or case.startswith("varlen-slow"):
         args, kw = _split_case(case)

@@ -42,21 +42,22 @@ int64_t pass_ctas(KdaFwdParams const& a) {
 }  // namespace
 
 KdaFwdSpecialization const kKdaFwdSpecialization[kKdaFwdSpecializations] = {
-    {"sigmoid_lb", false, kda_sm90::kThreads, 64, false, kKdaFused, kda_sm90::kSmemBytes<64>, false},
-    {"sigmoid_lb", true, kda_sm90::kThreads, 64, false, kKdaFused, kda_sm90::kSmemBytes<64>, false},
-    {"sigmoid_lb", false, kda_sm90::kThreads, 128, false, kKdaFused, kda_sm90::kSmemBytes<128>, false},
-    {"sigmoid_lb", true, kda_sm90::kThreads, 128, false, kKdaFused, kda_sm90::kSmemBytes<128>, false},
-    {"sigmoid_lb", false, kda_sm90::kThreads, 64, true, kKdaFused, kda_sm90::kSmemBytes<64, true>, false},
-    {"sigmoid_lb", true, kda_sm90::kThreads, 64, true, kKdaFused, kda_sm90::kSmemBytes<64, true>, false},
-    {"sigmoid_lb", false, kda_sm90::kThreads, 128, true, kKdaFused, kda_sm90::kSmemBytes<128, true>, false},
-    {"sigmoid_lb", true, kda_sm90::kThreads, 128, true, kKdaFused, kda_sm90::kSmemBytes<128, true>, false},
-    {"sigmoid_lb", false, kda_sm90::kThreads, 0, true, kKdaPrep, kda_sm90::kPrepSmemBytes, false},
-    {"sigmoid_lb", true, kda_sm90::kThreads, 0, true, kKdaPrep, kda_sm90::kPrepSmemBytes, false},
-    {"none", false, kda_sm90::kThreads, 64, true, kKdaState, kda_sm90::kStateSmemBytes<64>, false},
-    {"none", true, kda_sm90::kThreads, 64, true, kKdaState, kda_sm90::kStateSmemBytes<64>, false},
-    {"none", false, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateSmemBytes<128>, false},
-    {"none", true, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateSmemBytes<128>, false},
-    {"none", false, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateRsSmemBytes, true},
+    {"sigmoid_lb", false, kda_sm90::kThreads, 64, false, kKdaFused, kda_sm90::kSmemBytes<64>, false, false},
+    {"sigmoid_lb", true, kda_sm90::kThreads, 64, false, kKdaFused, kda_sm90::kSmemBytes<64>, false, false},
+    {"sigmoid_lb", false, kda_sm90::kThreads, 128, false, kKdaFused, kda_sm90::kSmemBytes<128>, false, false},
+    {"sigmoid_lb", true, kda_sm90::kThreads, 128, false, kKdaFused, kda_sm90::kSmemBytes<128>, false, false},
+    {"sigmoid_lb", false, kda_sm90::kThreads, 64, true, kKdaFused, kda_sm90::kSmemBytes<64, true>, false, false},
+    {"sigmoid_lb", true, kda_sm90::kThreads, 64, true, kKdaFused, kda_sm90::kSmemBytes<64, true>, false, false},
+    {"sigmoid_lb", false, kda_sm90::kThreads, 128, true, kKdaFused, kda_sm90::kSmemBytes<128, true>, false, false},
+    {"sigmoid_lb", true, kda_sm90::kThreads, 128, true, kKdaFused, kda_sm90::kSmemBytes<128, true>, false, false},
+    {"sigmoid_lb", false, kda_sm90::kThreads, 0, true, kKdaPrep, kda_sm90::kPrepSmemBytes, false, false},
+    {"sigmoid_lb", true, kda_sm90::kThreads, 0, true, kKdaPrep, kda_sm90::kPrepSmemBytes, false, false},
+    {"none", false, kda_sm90::kThreads, 64, true, kKdaState, kda_sm90::kStateSmemBytes<64>, false, false},
+    {"none", true, kda_sm90::kThreads, 64, true, kKdaState, kda_sm90::kStateSmemBytes<64>, false, false},
+    {"none", false, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateSmemBytes<128>, false, false},
+    {"none", true, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateSmemBytes<128>, false, false},
+    {"none", false, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateRsSmemBytes, true, false},
+    {"none", false, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateRsSmemBytes, true, true},
 };
 
 void run_kda_fwd(KdaFwdParams const& a) {
@@ -72,9 +73,9 @@ void run_kda_fwd(KdaFwdParams const& a) {
                    "kda_fwd: expected pass 0 (fused), 1 (prep) or 2 (state), got " + std::to_string(a.pass));
   FLA_CULA_REQUIRE(a.pass == kKdaFused || (a.wgmma && a.rec != nullptr && a.units >= 1),
                    "kda_fwd: the prep / state passes need wgmma, records and units >= 1");
-  FLA_CULA_REQUIRE(!a.state_rs || (a.pass == kKdaState && !a.maps && a.h_inter == nullptr &&
-                                   a.phase_cycles == nullptr && a.block_v == 128),
-                   "kda_fwd: state_rs needs the state pass 2 at block_v 128 without maps, h_inter or phase_cycles");
+  FLA_CULA_REQUIRE(!a.state_rs || (a.pass == kKdaState && a.h_inter == nullptr && a.phase_cycles == nullptr &&
+                                   a.block_v == 128),
+                   "kda_fwd: state_rs needs a state pass at block_v 128 without h_inter or phase_cycles");
   int64_t const ctas = pass_ctas(a);
   FLA_CULA_REQUIRE(ctas < (int64_t(1) << 31), "kda_fwd: too many CTAs: " + std::to_string(ctas));
   FLA_CULA_REQUIRE(a.q && a.k && a.v && a.g && a.beta && (a.o || a.pass == kKdaPrep || a.maps),
@@ -89,7 +90,11 @@ void run_kda_fwd(KdaFwdParams const& a) {
       return;
     }
     if (a.pass == kKdaState && a.state_rs) {
-      launch<kda_sm90::kda_state_rs_kernel, kda_sm90::kStateRsSmemBytes>(a, ctas, "kda_state_rs_kernel");
+      if (a.maps) {
+        launch<kda_sm90::kda_state_rs_kernel<true>, kda_sm90::kStateRsSmemBytes>(a, ctas, "kda_state_rs_kernel");
+      } else {
+        launch<kda_sm90::kda_state_rs_kernel<false>, kda_sm90::kStateRsSmemBytes>(a, ctas, "kda_state_rs_kernel");
+      }
       return;
     }
     if (a.pass == kKdaState) {

@@ -1,5 +1,6 @@
-// The two-kernel form's state pass with the state transposed in registers (docs/kda_sm90.md "v4: the state pass in
-// registers"): pass 2 over whole sequences or the segments of the exact split, reading the prep's records.
+// The two-kernel form's state passes with the state transposed in registers (docs/kda_sm90.md "v4: the state pass in
+// registers"): pass 2 over whole sequences or the segments of the exact split, and the split's maps pass, reading the
+// prep's records.
 //
 // Per (sequence n, value head hv) and chunk of 64 tokens, with the record's tiles (akkb = X diag(b), -W, Qg, Aqk,
 // Kd^T, gamma) and v of the chunk, the state S (128 channels x 128 columns, fp32) is kept as S^T:
@@ -152,8 +153,12 @@ __device__ __forceinline__ void to_frag(uint32_t (&a)[KB][4], float const (&acc)
   }
 }
 
-// Pass 2 of the two-kernel form (Params::pass = kState, maps off, block_v 128, no h_inter): CTA = (n, segment, hv)
-// as kda_state_kernel<128>'s grid; 256 threads = two warpgroups of 64 state columns each.
+// The state passes of the two-kernel form at block_v 128 (Params::pass = kState, no h_inter): CTA = (n, unit, hv) as
+// kda_state_kernel<128>'s grid; 256 threads = two warpgroups of 64 state columns each. kMaps = Params::maps: pass 1 of
+// the split, no o; unit s < P - 1 carries segment s from its start (h0 for s = 0, else 0) to seg_H[s], unit P - 1 + m
+// the transition map of segment m + 1 (v = 0 from the identity) to seg_M[m]. Otherwise pass 2: o, and ht from the last
+// segment.
+template <bool kMaps>
 __global__ void __launch_bounds__(kThreads, 1) kda_state_rs_kernel(__grid_constant__ KdaFwdParams const p) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   StateRsStorage& sm = *reinterpret_cast<StateRsStorage*>(smem_raw);
@@ -165,33 +170,49 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_rs_kernel(__grid_consta
   int x = blockIdx.x;
   int const hv = x % p.HV;
   x /= p.HV;
-  int const seg = x % p.units;
+  int const unit = x % p.units;
   int const n = x / p.units;
+  int const P = kMaps ? (p.units + 3) / 2 : p.units;
+  bool const mmap = kMaps && unit >= P - 1;  // a transition map: v = 0 from the identity
+  int const seg = mmap ? unit - (P - 1) + 1 : unit;
 
   int64_t bos, eos;
   sequence_bounds(p, n, bos, eos);
   int const nchunks = int((eos - bos + kC - 1) / kC);
   int c_lo, c_hi, last_seg;
-  unit_chunks(p.chunks_per_cta, seg, p.units - 1, nchunks, c_lo, c_hi, last_seg);
-  if (seg > last_seg) return;  // past the sequence's chunks (segment 0 of an empty sequence still writes ht = h0)
+  unit_chunks(p.chunks_per_cta, seg, P - 1, nchunks, c_lo, c_hi, last_seg);
+  // pass 2: nothing past the sequence's chunks (segment 0 of an empty sequence still writes ht = h0); a maps CTA always
+  // writes (an empty segment's (M, H) is (I, 0))
+  if (!kMaps && seg > last_seg) return;
 
   unsigned char const* const rec0 =
       static_cast<unsigned char const*>(p.rec) + (int64_t(hv) * p.rec_slots + bos / kC + n) * kKdaRecBytes;
   bf16 const* const vg = static_cast<bf16 const*>(p.v) + hv * p.v_head_stride;
-  bf16* const og = static_cast<bf16*>(p.o) + hv * p.o_head_stride + 64 * w;
+  bf16* const og = kMaps ? nullptr : static_cast<bf16*>(p.o) + hv * p.o_head_stride + 64 * w;
 
-  // chunk c's record and v rows (rows past the sequence zero) into stage s, one commit group
+  // chunk c's record and v rows (rows past the sequence zero) into stage s, one commit group. The maps pass reads
+  // neither Qg nor Aqk, and a map neither akkb nor v.
   auto issue = [&](int c, int s) {
     unsigned char const* const src = rec0 + int64_t(c) * kKdaRecBytes;
-    for (int b = 16 * tid; b < kKdaRecBytes; b += 16 * kThreads) cp_async16(sm.st[s].rec + b, src + b, true);
+    auto copy = [&](int b0, int b1) {
+      for (int b = b0 + 16 * tid; b < b1; b += 16 * kThreads) cp_async16(sm.st[s].rec + b, src + b, true);
+    };
+    if constexpr (kMaps) {
+      copy(mmap ? kRecWn : kRecAkkb, kRecQg);
+      copy(kRecKdT, kKdaRecBytes);
+    } else {
+      copy(0, kKdaRecBytes);
+    }
     int64_t const t0 = bos + int64_t(c) * kC;
     int64_t const left = eos - t0;
 #pragma unroll
     for (int u = 0; u < 2 * kC * 8 / kThreads; ++u) {
       int const idx = tid + u * kThreads, vw = idx >> 9, t = (idx >> 3) & 63, q = idx & 7;
       bool const in = t < left;
-      cp_async16(&sm.st[s].v[vw][0][0] + sw128(t, 8 * q), vg + (in ? (t0 + t) * p.v_tok_stride + 64 * vw + 8 * q : 0),
-                 in);
+      if (!mmap) {
+        cp_async16(&sm.st[s].v[vw][0][0] + sw128(t, 8 * q),
+                   vg + (in ? (t0 + t) * p.v_tok_stride + 64 * vw + 8 * q : 0), in);
+      }
     }
     cp_async_commit();
   };
@@ -206,15 +227,17 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_rs_kernel(__grid_consta
   int const sd = p.state_v_first ? 1 : 128, sc = p.state_v_first ? kK : 1;
   int const col0 = 64 * w + 16 * wi + g8, d0 = 2 * t4;
   {
-    float const* const base = seg > 0 ? p.seg_H + (int64_t(seg - 1) * p.N * p.HV + pair) * kK * 128
-                              : p.h0 != nullptr ? p.h0 + pair * kK * 128 : nullptr;
-    int const bd = seg > 0 ? 128 : sd, bc = seg > 0 ? 1 : sc;
+    // pass 2 of a later segment: the combined seg_H; the maps pass: h0 (segment 0 only) or the identity (a map)
+    bool const from_seg = !kMaps && seg > 0;
+    float const* const base = from_seg ? p.seg_H + (int64_t(seg - 1) * p.N * p.HV + pair) * kK * 128
+                              : p.h0 != nullptr && seg == 0 && !mmap ? p.h0 + pair * kK * 128 : nullptr;
+    int const bd = from_seg ? 128 : sd, bc = from_seg ? 1 : sc;
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        int const off = (d0 + nt * 8 + (e & 1)) * bd + (col0 + (e >> 1) * 8) * bc;
-        S[nt][e] = base != nullptr ? base[off] : 0.f;
+        int const d = d0 + nt * 8 + (e & 1), col = col0 + (e >> 1) * 8;
+        S[nt][e] = base != nullptr ? base[d * bd + col * bc] : mmap && d == col ? 1.f : 0.f;
       }
     }
   }
@@ -234,10 +257,16 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_rs_kernel(__grid_consta
     to_frag(aS, S);
     fence_regs(vp);
     fence_regs(aS);
-    wg_arrive();
-    wg_mn(vp, &sm.st[s].v[w][0][0], tile(kRecAkkb));
-    wg_rs<64, 128, 64>(vp, aS, tile(kRecWn), true);
-    wg_commit_wait();
+    if (mmap) {  // a map: v = 0
+      wg_arrive();
+      wg_rs<64, 128, 64>(vp, aS, tile(kRecWn), false);
+      wg_commit_wait();
+    } else {
+      wg_arrive();
+      wg_mn(vp, &sm.st[s].v[w][0][0], tile(kRecAkkb));
+      wg_rs<64, 128, 64>(vp, aS, tile(kRecWn), true);
+      wg_commit_wait();
+    }
     fence_regs(vp);
 
     // S^T = S^T diag(gamma) + bf16(V'^T) Kd;  O^T = bf16(S^T) Qg^T + bf16(V'^T) Aqk^T (S^T first: the chain)
@@ -254,14 +283,17 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_rs_kernel(__grid_consta
     }
     float oa[8][4];
     fence_regs(S);
-    fence_regs(oa);
     fence_regs(aV);
+    if constexpr (!kMaps) fence_regs(oa);
     wg_arrive();
     wg_rs<128, 64>(S, aV, tile(kRecKdT), true);
-    wg_rs<64, 128, 64>(oa, aS, tile(kRecQg), false);
-    wg_rs<64, 64>(oa, aV, tile(kRecAqk), true);
+    if constexpr (!kMaps) {
+      wg_rs<64, 128, 64>(oa, aS, tile(kRecQg), false);
+      wg_rs<64, 64>(oa, aV, tile(kRecAqk), true);
+    }
     wg_commit_wait();
     fence_regs(S);
+    if constexpr (kMaps) continue;  // no o
     fence_regs(oa);
 
     // O^T -> O rows: stmatrix.trans of (tokens 8 nt .. + 7) x (columns 16 wi (+ 8)), then rows < the chunk's length
@@ -288,13 +320,23 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_rs_kernel(__grid_consta
     }
   }
 
-  // the final state (the last segment): S^T's rows are state columns, in the h0 layout
-  if (p.ht != nullptr && seg == last_seg) {
-    float* const base = p.ht + pair * kK * 128;
+  // the final state (pass 2, the last segment) in the h0 layout, or the maps pass's seg_H / seg_M (K-major); S^T's
+  // rows are state columns
+  float* base = nullptr;
+  int bd = 128, bc = 1;
+  if constexpr (kMaps) {
+    base = (mmap ? p.seg_M + int64_t(seg - 1) * p.N * p.HV * kK * 128 : p.seg_H + int64_t(seg) * p.N * p.HV * kK * 128)
+           + pair * kK * 128;
+  } else if (p.ht != nullptr && seg == last_seg) {
+    base = p.ht + pair * kK * 128;
+    bd = sd;
+    bc = sc;
+  }
+  if (base != nullptr) {
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) base[(d0 + nt * 8 + (e & 1)) * sd + (col0 + (e >> 1) * 8) * sc] = S[nt][e];
+      for (int e = 0; e < 4; ++e) base[(d0 + nt * 8 + (e & 1)) * bd + (col0 + (e >> 1) * 8) * bc] = S[nt][e];
     }
   }
 }

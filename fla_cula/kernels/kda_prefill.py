@@ -306,21 +306,23 @@ def run_two_kernel(launch, N: int, HV: int, slots: int, device, plan: TwoKernelP
     """The two-kernel form: `launch(**kw)` runs one pass of the kernel (the extension's kda_fwd with this call's
     inputs bound; the CPU emulator in tests) with the keywords pass_kind, rec, chunks_per_cta, units, maps, seg_H,
     seg_M, block_v, o, ht, Aqk, Akk, and out_kw (h_inter, chunk_offsets) for the pass that writes o; `combine(seg_H,
-    seg_M)` is the split's combine (the forward passes `_C.kda_combine`). state_rs: pass 2 on kda_state_rs_kernel
-    (128 columns per CTA; not with h_inter, which keeps kda_state_kernel). Allocates the records (64.5 KB per chunk
-    and value head) and the segment states (64 KB per (sequence, value head) and segment, 2 P - 3 of them)."""
+    seg_M)` is the split's combine (the forward passes `_C.kda_combine`). state_rs: the maps pass and pass 2 on
+    kda_state_rs_kernel (128 columns per CTA; pass 2 with h_inter keeps kda_state_kernel). Allocates the records (64.5
+    KB per chunk and value head) and the segment states (64 KB per (sequence, value head) and segment, 2 P - 3 of
+    them)."""
     rec = torch.empty(HV, slots, REC_BYTES, dtype=torch.uint8, device=device)
     launch(pass_kind=1, rec=rec, chunks_per_cta=PREP_CHUNKS, units=plan.prep_units, maps=False, seg_H=None,
            seg_M=None, block_v=64, o=None, ht=None, Aqk=Aqk, Akk=Akk)
     P, seg_H = plan.segments, None
+    rs = {"state_rs": True} if state_rs else {}
     if P > 1:
         seg_H = torch.empty(P - 1, N, HV, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
         seg_M = torch.empty(P - 2, N, HV, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
         launch(pass_kind=2, rec=rec, chunks_per_cta=plan.seg_chunks, units=2 * P - 3, maps=True, seg_H=seg_H,
-               seg_M=seg_M, block_v=128, o=None, ht=None, Aqk=None, Akk=None)
+               seg_M=seg_M, block_v=128, o=None, ht=None, Aqk=None, Akk=None, **rs)
         combine(seg_H, seg_M)
     out_kw = out_kw or {}
-    rs = {"state_rs": True, "block_v": 128} if state_rs and out_kw.get("h_inter") is None else {}
+    rs = {**rs, "block_v": 128} if rs and out_kw.get("h_inter") is None else {}
     launch(pass_kind=2, rec=rec, chunks_per_cta=plan.seg_chunks, units=P, maps=False, seg_H=seg_H, seg_M=None,
            **{"block_v": plan.block_v, **rs}, o=o, ht=ht, Aqk=None, Akk=None, **out_kw)
 
