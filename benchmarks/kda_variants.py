@@ -96,7 +96,7 @@ def _pass_graphs(kp, kargs, B, T, H, sms, knobs, capture_graph, profile=False):
     `profile`, the prep and the last pass run once more instrumented: name -> {phase: cycles per chunk per CTA}."""
     q = kargs[0]
     lens = [T] * B
-    plan = kp.two_kernel_plan(lens, H, sms, knobs.get("segments"), knobs.get("block_v"))
+    plan = kp.two_kernel_plan(lens, H, sms, knobs.get("segments"), knobs.get("block_v"), knobs.get("state_rs", False))
     calls = []
     launch = kp.launcher(*kargs)
 

@@ -456,6 +456,22 @@ def test_routing_cost_model():
     assert kp.predicted_us([], 64, 132) == (0.0, 0.0)
 
 
+def test_two_kernel_plan_state_rs():
+    """With state_rs the plan prices kda_state_rs_kernel (128 columns, its own constants: predicted until measured) and
+    is memoized apart from the default plan; forced segments still hold."""
+    from fla_cula.kernels import kda_prefill as kp
+    for lens, HV in (([8192] * 2, 64), ([8192], 8), ([256] * 64, 32)):
+        a, b = kp.two_kernel_plan(lens, HV, 132), kp.two_kernel_plan(lens, HV, 132, state_rs=True)
+        assert b.block_v == 128 and b.us != a.us, (a, b)
+        assert kp.two_kernel_plan(lens, HV, 132) == a      # the default plan is not the state_rs one from the cache
+    assert kp.two_kernel_plan([8192], 8, 132, segments=3, state_rs=True).segments == 3
+    # a chunk costs the longer of the chain and its bytes' share of DRAM with every concurrent CTA streaming
+    one = kp._rs_pass_us([10], 1, 132, "pass2")
+    assert one == 10 * kp.RS_CHAIN_US["pass2"] + kp.RS_WAVE_US
+    full = kp._rs_pass_us([10], 132, 132, "pass2")
+    assert full == 10 * kp.RS_BYTES["pass2"] * 132 / kp.RS_DRAM_BYTES_PER_US + kp.RS_WAVE_US
+
+
 # ---------------------------------------------------------------------------------------------
 # SASS of the built kernels
 # ---------------------------------------------------------------------------------------------

@@ -225,6 +225,29 @@ STATE_SHARED = 1.42                        # a CTA's time per chunk with a secon
 STATE_WAVE_US = 12.0                       # a state CTA's start: its start state and first record
 MAPS_US_PER_CHUNK = 2.5             # block_v 128 without O: V' and the state update
 MAPS_WAVE_US = 14.0
+# kda_state_rs_kernel (state_rs; docs/kda_sm90.md "v4"): PREDICTED, not yet measured. A chunk takes the longer of its
+# chain and its bytes' share of DRAM bandwidth with every concurrent CTA streaming (pass 2: record 66 KB, v 16 KB and
+# o 16 KB; maps: ~45 KB, no Qg / Aqk / o); a wave's start is its first loads. Refit from kda_variants' per-pass times.
+RS_CHAIN_US = {"pass2": 1.5, "maps": 1.2}
+RS_BYTES = {"pass2": 98e3, "maps": 45e3}
+RS_DRAM_BYTES_PER_US = 4.0e6
+RS_WAVE_US = 3.0
+
+
+def _pass2_us(chunks: list[int], HV: int, sms: int, bv: int, state_rs: bool) -> float:
+    """Pass 2 of the two-kernel form over these chunk counts: kda_state_rs_kernel, or kda_state_kernel<bv>."""
+    if state_rs:
+        return _rs_pass_us(chunks, HV, sms, "pass2")
+    us = STATE_US_PER_CHUNK[bv]
+    return _pass_us(chunks, HV * (HEAD_DIM // bv), sms, us * (STATE_SHARED if STATE_CTAS_PER_SM[bv] > 1 else 1.0),
+                    STATE_CTAS_PER_SM[bv], us, STATE_WAVE_US)
+
+
+def _rs_pass_us(chunks: list[int], copies: int, sms: int, kind: str) -> float:
+    """A pass of kda_state_rs_kernel (one 128-column CTA per SM) over these chunk counts, `copies` CTAs each."""
+    concurrent = min(len(chunks) * copies, sms)
+    us = max(RS_CHAIN_US[kind], RS_BYTES[kind] * concurrent / RS_DRAM_BYTES_PER_US)
+    return _pass_us(chunks, copies, sms, us, fixed=RS_WAVE_US)
 COMBINE_US = (7.5, 2.5)             # the combine kernel: fixed, and per serial segment step and wave of SMs
 COMBINE_CTAS_PER_PAIR = 16          # kda_combine_kernel: 8 of the 128 columns per CTA
 MAX_SEGMENTS = 16
@@ -240,16 +263,17 @@ class TwoKernelPlan:
 
 
 def two_kernel_plan(lens: list[int], HV: int, sms: int, segments: int | None = None,
-                    block_v: int | None = None) -> TwoKernelPlan:
+                    block_v: int | None = None, state_rs: bool = False) -> TwoKernelPlan:
     """The cheapest (segments, block_v) of the two-kernel form for these lengths (pure, memoized per lengths);
-    `segments` / `block_v` force them. Splits are considered only for grids of fewer (sequence, value head) pairs
-    than SMs: a grid that fills the GPU gains nothing from them, and the search stays small on the routing path."""
-    return _two_kernel_plan(tuple(lens), HV, sms, segments, block_v)
+    `segments` / `block_v` force them; state_rs: the state passes on kda_state_rs_kernel (128 columns). Splits are
+    considered only for grids of fewer (sequence, value head) pairs than SMs: a grid that fills the GPU gains nothing
+    from them, and the search stays small on the routing path."""
+    return _two_kernel_plan(tuple(lens), HV, sms, segments, 128 if state_rs else block_v, state_rs)
 
 
 @functools.lru_cache(maxsize=256)
 def _two_kernel_plan(lens: tuple[int, ...], HV: int, sms: int, segments: int | None,
-                     block_v: int | None) -> TwoKernelPlan:
+                     block_v: int | None, state_rs: bool = False) -> TwoKernelPlan:
     chunks = [-(-L // CHUNK) for L in lens]
     maxc = max(chunks, default=0)
     prep_units = max(1, -(-maxc // PREP_CHUNKS))
@@ -263,16 +287,15 @@ def _two_kernel_plan(lens: tuple[int, ...], HV: int, sms: int, segments: int | N
         if P > 1 and (seg == 0 or -(-maxc // seg) < P):
             continue  # fewer non-empty segments than P: a smaller P does the same
         for bv in ([block_v] if block_v else (64, 128)):
-            state = (STATE_US_PER_CHUNK[bv] * (STATE_SHARED if STATE_CTAS_PER_SM[bv] > 1 else 1.0),
-                     STATE_CTAS_PER_SM[bv], STATE_US_PER_CHUNK[bv], STATE_WAVE_US)
             if P == 1:
-                t = _pass_us(chunks, HV * (HEAD_DIM // bv), sms, *state)
+                t = _pass2_us(chunks, HV, sms, bv, state_rs)
             else:
                 parts = [min(seg, c - seg * s) for c in chunks for s in range(-(-c // seg))]
                 maps = [min(seg, c - seg * s) for c in chunks for s in range(min(P - 1, -(-c // seg)))]
-                t = (_pass_us(maps, HV * 2, sms, MAPS_US_PER_CHUNK, fixed=MAPS_WAVE_US)
-                     + COMBINE_US[0] + COMBINE_US[1] * (P - 2) * combine_waves
-                     + _pass_us(parts, HV * (HEAD_DIM // bv), sms, *state))
+                maps_us = (_rs_pass_us(maps, HV * 2, sms, "maps") if state_rs
+                           else _pass_us(maps, HV * 2, sms, MAPS_US_PER_CHUNK, fixed=MAPS_WAVE_US))
+                t = (maps_us + COMBINE_US[0] + COMBINE_US[1] * (P - 2) * combine_waves
+                     + _pass2_us(parts, HV, sms, bv, state_rs))
             plan = TwoKernelPlan(P, seg, bv, prep_units, prep + t)
             if best is None or plan.us < best.us:
                 best = plan
@@ -382,7 +405,7 @@ def two_kernel_choice(lens: list[int], HV: int, sms: int) -> TwoKernelPlan | Non
     forced = _TUNING["two_kernel"]
     if forced is False or not _TUNING["wgmma"] or (forced is None and not TWO_KERNEL_VERIFIED):
         return None
-    plan = two_kernel_plan(lens, HV, sms, _TUNING["segments"], _TUNING["block_v"])
+    plan = two_kernel_plan(lens, HV, sms, _TUNING["segments"], _TUNING["block_v"], _TUNING["state_rs"])
     if forced is None and plan.us >= predicted_us(lens, HV, sms)[0]:
         return None
     return plan
