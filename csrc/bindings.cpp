@@ -94,7 +94,8 @@ PYBIND11_MODULE(_C, m) {
           // mangled kda_fwd_kernel<GateForm::SigmoidLB, profile, block_v, wgmma>, kda_prep_kernel<GateForm::SigmoidLB>,
           // kda_state_kernel<block_v>, kda_state_rs_kernel
           if (s.state_rs) {
-            d["symbol"] = std::string("kda_state_rs_kernelILb") + (s.maps ? "1" : "0") + "E";
+            d["symbol"] = std::string("kda_state_rs_kernelILb") + (s.maps ? "1" : "0") + "ELi" +
+                          std::to_string(s.block_v) + "EE";
           } else if (s.pass == fla_cula::kKdaPrep) {
             d["symbol"] = std::string("kda_prep_kernelILNS0_8GateFormE0EE");
           } else if (s.pass == fla_cula::kKdaState) {

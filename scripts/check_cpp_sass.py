@@ -33,7 +33,7 @@ REQUIRED_SASS: dict[str, list[str]] = {
     r"kda_state_kernel": ["HGMMA", "LDGSTS"],
     # the state passes with the state in registers: RS / MN-major wgmma, cp.async stages; pass 2's O through stmatrix
     r"kda_state_rs_kernel": ["HGMMA", "LDGSTS"],
-    r"kda_state_rs_kernel<false>": ["STSM"],
+    r"kda_state_rs_kernel<false,": ["STSM"],
     r"kda_combine_kernel": ["LDGSTS"],  # the split's combine: fp32 FMAs on CUDA cores, the maps by cp.async
 }
 ARCH = "sm_90a"

@@ -307,7 +307,9 @@ def test_extension_exposes_kda_fwd():
     fams = {f["name"]: f for f in mod.kernels()}
     assert "kda_prefill" in fams
     for s in fams["kda_prefill"]["specializations"]:
-        assert s["threads"] == 256 and 0 < s["smem_bytes"] <= 227 * 1024
+        # 256 threads, but the one-warpgroup kda_state_rs_kernel<false, 64>
+        assert s["threads"] == (128 if s["state_rs"] and s["block_v"] == 64 else 256), s
+        assert 0 < s["smem_bytes"] <= 227 * 1024
 
 
 def _abi_args(q):
@@ -457,14 +459,15 @@ def test_routing_cost_model():
 
 
 def test_two_kernel_plan_state_rs():
-    """With state_rs the plan prices kda_state_rs_kernel (128 columns, its own constants: predicted until measured) and
-    is memoized apart from the default plan; forced segments still hold."""
+    """With state_rs the plan prices kda_state_rs_kernel (its own constants: predicted until measured) and is memoized
+    apart from the default plan; forced segments and block_v still hold."""
     from fla_cula.kernels import kda_prefill as kp
     for lens, HV in (([8192] * 2, 64), ([8192], 8), ([256] * 64, 32)):
         a, b = kp.two_kernel_plan(lens, HV, 132), kp.two_kernel_plan(lens, HV, 132, state_rs=True)
-        assert b.block_v == 128 and b.us != a.us, (a, b)
+        assert b.us < a.us, (a, b)                         # the predicted constants: faster on these rows
         assert kp.two_kernel_plan(lens, HV, 132) == a      # the default plan is not the state_rs one from the cache
-    assert kp.two_kernel_plan([8192], 8, 132, segments=3, state_rs=True).segments == 3
+    forced = kp.two_kernel_plan([8192], 8, 132, segments=3, block_v=128, state_rs=True)
+    assert (forced.segments, forced.block_v) == (3, 128)
     # a chunk costs the longer of the chain and its bytes' share of DRAM with every concurrent CTA streaming
     one = kp._rs_pass_us([10], 1, 132, "pass2")
     assert one == 10 * kp.RS_CHAIN_US["pass2"] + kp.RS_WAVE_US
@@ -486,7 +489,7 @@ def test_sass_hmma_no_spills():
     names = _ext.demangle(list(sass))
     kda = [s for s in sass if "kda_fwd_kernel" in names[s] or "kda_prep_kernel" in names[s]
            or "kda_state_kernel" in names[s] or "kda_state_rs_kernel" in names[s]]
-    assert len(kda) == 16, sorted(names.values())   # csrc/kda_sm90/kda_fwd.h kKdaFwdSpecializations
+    assert len(kda) == 17, sorted(names.values())   # csrc/kda_sm90/kda_fwd.h kKdaFwdSpecializations
     for s in kda:
         arch, ops = sass[s]
         assert arch == "sm_90a"
@@ -738,7 +741,8 @@ extern "C" void emu_run(void const* q, void const* k, void const* v, void const*
   p.h_inter = h_inter; p.chunk_offsets = chunk_offsets; p.chunk_offsets_int64 = true; p.NT = NT;
   p.state_rs = state_rs;
   int ctas = pass == kKdaPrep ? N * HV * units : N * HV * (128 / block_v) * (pass == kKdaState ? units : 1);
-  std::barrier<> bar(256);
+  int const nthreads = pass == kKdaState && state_rs && block_v == 64 ? 128 : 256;  // kda_state_rs_kernel<., 64>
+  std::barrier<> bar(nthreads);
   g_bar = &bar;
   std::vector<std::barrier<>*> wb;
   for (int w = 0; w < 8; ++w) g_wbar[w] = new std::barrier<>(32);
@@ -747,14 +751,16 @@ extern "C" void emu_run(void const* q, void const* k, void const* v, void const*
     blockIdx.x = b;
     std::memset(smem_raw, 0xff, sizeof(smem_raw));  // poison: NaN-ish bf16/fp32 patterns
     std::vector<std::thread> th;
-    for (int t = 0; t < 256; ++t)
+    for (int t = 0; t < nthreads; ++t)
       th.emplace_back([&p, t, block_v, wgmma, pass] {
         threadIdx.x = t;
         constexpr auto kG = kda_sm90::GateForm::SigmoidLB;
         if (pass == kKdaPrep) {
           kda_sm90::kda_prep_kernel<kG>(p);
         } else if (pass == kKdaState && p.state_rs) {
-          p.maps ? kda_sm90::kda_state_rs_kernel<true>(p) : kda_sm90::kda_state_rs_kernel<false>(p);
+          if (p.maps) kda_sm90::kda_state_rs_kernel<true>(p);
+          else if (block_v == 64) kda_sm90::kda_state_rs_kernel<false, 64>(p);
+          else kda_sm90::kda_state_rs_kernel<false>(p);
         } else if (pass == kKdaState) {
           block_v == 128 ? kda_sm90::kda_state_kernel<128>(p) : kda_sm90::kda_state_kernel<64>(p);
         } else if (block_v == 128) {
@@ -1010,15 +1016,16 @@ def test_two_kernel_emulated_same_bits_as_fused(emulator, case, block_v):
         assert not b.isnan().any() and torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("block_v", [64, 128])
 @pytest.mark.parametrize("case, segments, seg_chunks", [
     ("fixed-tail-svf", 1, None),     # 20 tokens: one chunk with a tail, V-first h0 / ht
     ("varlen-gva-empty", 1, None),   # an empty sequence (ht = h0), GVA, K-major states
     ("fixed-random", 4, 1),          # pass 2 from the combined seg_H, segment 3 taking the remaining chunks
     ("varlen-slow", 3, 1),           # segments past a sequence's end, an empty sequence
 ])
-def test_state_rs_emulated_same_bits(emulator, case, segments, seg_chunks):
+def test_state_rs_emulated_same_bits(emulator, case, segments, seg_chunks, block_v):
     """kda_state_rs_kernel (the state transposed in wgmma registers, RS products, v^T as an MN-major A, O through
-    stmatrix.trans; split: its maps pass too) against kda_state_kernel<128> on the same records, both emulated: the
+    stmatrix.trans; split: its maps pass too) against kda_state_kernel<block_v> on the same records, both emulated: the
     operands, the rounding points and the order of every sum are the same, so o and the final state are bit-identical
     (NaN-poisoned outputs and segment states); a fragment, a swizzle, a stage or a store index out of place is not."""
     _ext_or_skip()
@@ -1026,9 +1033,9 @@ def test_state_rs_emulated_same_bits(emulator, case, segments, seg_chunks):
         args, kw = _split_case(case)
     else:
         args, kw = _emulator_case(case)
-    ref = _emulate_two_kernel(emulator, *args, block_v=128, segments=segments, seg_chunks=seg_chunks, **kw)
-    got = _emulate_two_kernel(emulator, *args, block_v=128, segments=segments, seg_chunks=seg_chunks, state_rs=True,
-                              **kw)
+    ref = _emulate_two_kernel(emulator, *args, block_v=block_v, segments=segments, seg_chunks=seg_chunks, **kw)
+    got = _emulate_two_kernel(emulator, *args, block_v=block_v, segments=segments, seg_chunks=seg_chunks,
+                              state_rs=True, **kw)
     for name, a, b in zip(("o", "ht"), ref[:2], got[:2], strict=True):
         assert not b.isnan().any() and torch.equal(a, b), (name, (a.float() - b.float()).abs().max())
 

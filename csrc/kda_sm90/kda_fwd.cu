@@ -18,10 +18,10 @@ namespace {
 
 // One launch of `kernel` (its dynamic shared memory opted in once per device) on `ctas` CTAs. All of the SM's
 // unified memory as shared memory: the prep kernel's two CTAs per SM need 2 x 110 KB.
-template <auto kKernel, int kSmem>
+template <auto kKernel, int kSmem, int kNT = kda_sm90::kThreads>
 void launch(KdaFwdParams const& a, int64_t ctas, char const* name) {
   opt_in_shared_memory<kKernel>(a.device, kSmem, /*max_carveout=*/true);
-  kKernel<<<dim3(unsigned(ctas)), kda_sm90::kThreads, kSmem, static_cast<cudaStream_t>(a.stream)>>>(a);
+  kKernel<<<dim3(unsigned(ctas)), kNT, kSmem, static_cast<cudaStream_t>(a.stream)>>>(a);
   cudaError_t const err = cudaGetLastError();
   if (err != cudaSuccess) throw_cuda_error(err, (std::string("launch of ") + name).c_str(), __FILE__, __LINE__);
 }
@@ -56,8 +56,9 @@ KdaFwdSpecialization const kKdaFwdSpecialization[kKdaFwdSpecializations] = {
     {"none", true, kda_sm90::kThreads, 64, true, kKdaState, kda_sm90::kStateSmemBytes<64>, false, false},
     {"none", false, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateSmemBytes<128>, false, false},
     {"none", true, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateSmemBytes<128>, false, false},
-    {"none", false, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateRsSmemBytes, true, false},
-    {"none", false, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateRsSmemBytes, true, true},
+    {"none", false, 128, 64, true, kKdaState, kda_sm90::kStateRsSmemBytes<64>, true, false},
+    {"none", false, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateRsSmemBytes<128>, true, false},
+    {"none", false, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateRsSmemBytes<128>, true, true},
 };
 
 void run_kda_fwd(KdaFwdParams const& a) {
@@ -74,8 +75,8 @@ void run_kda_fwd(KdaFwdParams const& a) {
   FLA_CULA_REQUIRE(a.pass == kKdaFused || (a.wgmma && a.rec != nullptr && a.units >= 1),
                    "kda_fwd: the prep / state passes need wgmma, records and units >= 1");
   FLA_CULA_REQUIRE(!a.state_rs || (a.pass == kKdaState && a.h_inter == nullptr && a.phase_cycles == nullptr &&
-                                   a.block_v == 128),
-                   "kda_fwd: state_rs needs a state pass at block_v 128 without h_inter or phase_cycles");
+                                   (a.block_v == 128 || !a.maps)),
+                   "kda_fwd: state_rs needs a state pass without h_inter or phase_cycles (maps: block_v 128)");
   int64_t const ctas = pass_ctas(a);
   FLA_CULA_REQUIRE(ctas < (int64_t(1) << 31), "kda_fwd: too many CTAs: " + std::to_string(ctas));
   FLA_CULA_REQUIRE(a.q && a.k && a.v && a.g && a.beta && (a.o || a.pass == kKdaPrep || a.maps),
@@ -91,9 +92,13 @@ void run_kda_fwd(KdaFwdParams const& a) {
     }
     if (a.pass == kKdaState && a.state_rs) {
       if (a.maps) {
-        launch<kda_sm90::kda_state_rs_kernel<true>, kda_sm90::kStateRsSmemBytes>(a, ctas, "kda_state_rs_kernel");
+        launch<kda_sm90::kda_state_rs_kernel<true>, kda_sm90::kStateRsSmemBytes<128>>(a, ctas, "kda_state_rs_kernel");
+      } else if (a.block_v == 128) {
+        launch<kda_sm90::kda_state_rs_kernel<false>, kda_sm90::kStateRsSmemBytes<128>>(a, ctas,
+                                                                                     "kda_state_rs_kernel");
       } else {
-        launch<kda_sm90::kda_state_rs_kernel<false>, kda_sm90::kStateRsSmemBytes>(a, ctas, "kda_state_rs_kernel");
+        launch<kda_sm90::kda_state_rs_kernel<false, 64>, kda_sm90::kStateRsSmemBytes<64>, 128>(a, ctas,
+                                                                                             "kda_state_rs_kernel");
       }
       return;
     }

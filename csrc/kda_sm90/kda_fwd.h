@@ -72,7 +72,7 @@ struct KdaFwdParams {
                         // seg_H[s - 1] (the host's combine has made it the state at the segment's start)
   float* seg_H;         // [P-1][N*HV][128][128] fp32, K-major (row = key channel)
   float* seg_M;         // [P-2][N*HV][128][128] fp32, K-major: S_end = M S_start + H
-  bool state_rs;        // kState (block_v 128, no h_inter, no phase_cycles): kda_state_rs_kernel, the state
+  bool state_rs;        // kState (no h_inter, no phase_cycles; maps at block_v 128): kda_state_rs_kernel, the state
                         // transposed in wgmma registers (kda_state_rs_kernel.cuh), instead of kda_state_kernel
   int device;   // CUDA ordinal of every tensor
   void* stream; // cudaStream_t of the caller on that device
@@ -115,7 +115,7 @@ struct KdaFwdSpecialization {
   bool state_rs;     // kda_state_rs_kernel (Params::state_rs)
   bool maps;         // kda_state_rs_kernel<true>: the split's maps pass (Params::maps)
 };
-constexpr int kKdaFwdSpecializations = 16;
+constexpr int kKdaFwdSpecializations = 17;
 
 // Phases of a chunk timed by phase_cycles, in order: gate + block scan, scan offsets + anchors + rstd,
 // anchored factors (+ block scalars), Aqk+L,

@@ -249,10 +249,11 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
   if (!chunk_offsets_obj.is_none() && p.chunk_offsets == nullptr) {
     throw py::value_error("chunk_offsets: expected None without varlen h_inter");
   }
-  if (state_rs && (pass != kKdaState || block_v != 128 || p.h_inter != nullptr || !phase_cycles_obj.is_none())) {
-    throw py::value_error("state_rs: expected a state pass (pass_kind 2) at block_v 128 without h_inter or "
-                          "phase_cycles, got pass_kind " + std::to_string(pass) + " block_v " +
-                          std::to_string(block_v));
+  if (state_rs && (pass != kKdaState || p.h_inter != nullptr || !phase_cycles_obj.is_none())) {
+    throw py::value_error(std::string("state_rs: expected a state pass (pass_kind 2) without h_inter or phase_cycles, "
+                                      "got pass_kind ") + std::to_string(pass) +
+                          (p.h_inter != nullptr ? " with h_inter" : "") +
+                          (phase_cycles_obj.is_none() ? "" : " with phase_cycles"));
   }
   p.state_rs = state_rs;
   p.pass = pass;
@@ -374,8 +375,8 @@ void register_kda_fwd(py::module_& m) {
         "h_inter (bf16 [B, NT, HV, 128, 128] in the state layout) or None: bf16 of the state at every chunk start\n"
         "(return_intermediate_states), written by the passes that write o; varlen needs chunk_offsets ([N+1]\n"
         "int32/int64, FLA's prepare_chunk_offsets) and NT = its last entry.\n"
-        "state_rs: a state pass (block_v 128, no h_inter or phase_cycles) on kda_state_rs_kernel, the state\n"
-        "transposed in wgmma registers (same rounding points as the default state kernel).\n"
+        "state_rs: a state pass (no h_inter or phase_cycles) on kda_state_rs_kernel, the state transposed in\n"
+        "wgmma registers (same rounding points as the default state kernel).\n"
         "TypeError / ValueError for bad arguments (before any CUDA call), RuntimeError for CUDA errors.\n"
         "Does not synchronize.");
   m.attr("KDA_FWD_PHASES") = kKdaFwdPhases;

@@ -26,16 +26,19 @@ namespace fla_cula::kda_sm90 {
 
 constexpr int kRsRecBytes = (kKdaRecBytes + 1023) / 1024 * 1024;  // a stage's record image, 1024-byte aligned tiles
 
-// One CTA per SM (~178 KB): two stages and the output tiles.
+// kWG warpgroups of 64 state columns each (block_v = 64 kWG). One CTA per SM (~178 / 157 KB): two stages and the
+// output tiles.
+template <int kWG>
 struct StateRsStorage {
   struct Stage {
     alignas(1024) unsigned char rec[kRsRecBytes];  // the record, byte for byte (kRec* offsets are 1024-aligned)
-    alignas(1024) bf16 v[2][kC][64];               // per warpgroup: v rows [token][its 64 columns], MN-major sw128
+    alignas(1024) bf16 v[kWG][kC][64];             // per warpgroup: v rows [token][its 64 columns], MN-major sw128
   } st[2];
-  alignas(1024) bf16 o[2][kC][64];                 // per warpgroup: O rows [token][its 64 columns], sw128
+  alignas(1024) bf16 o[kWG][kC][64];               // per warpgroup: O rows [token][its 64 columns], sw128
 };
-constexpr int kStateRsSmemBytes = int(sizeof(StateRsStorage));
-static_assert(kStateRsSmemBytes <= 227 * 1024, "shared memory over the SM90 opt-in maximum");
+template <int kBV>
+constexpr int kStateRsSmemBytes = int(sizeof(StateRsStorage<kBV / 64>));
+static_assert(kStateRsSmemBytes<128> <= 227 * 1024, "shared memory over the SM90 opt-in maximum");
 static_assert(kRecAkkb % 1024 == 0 && kRecWn % 1024 == 0 && kRecQg % 1024 == 0 && kRecAqk % 1024 == 0 &&
                   kRecKdT % 1024 == 0 && kRecGamma % 16 == 0,
               "record tiles at 1024-byte offsets: the swizzle is a function of the shared-memory address");
@@ -153,21 +156,27 @@ __device__ __forceinline__ void to_frag(uint32_t (&a)[KB][4], float const (&acc)
   }
 }
 
-// The state passes of the two-kernel form at block_v 128 (Params::pass = kState, no h_inter): CTA = (n, unit, hv) as
-// kda_state_kernel<128>'s grid; 256 threads = two warpgroups of 64 state columns each. kMaps = Params::maps: pass 1 of
-// the split, no o; unit s < P - 1 carries segment s from its start (h0 for s = 0, else 0) to seg_H[s], unit P - 1 + m
-// the transition map of segment m + 1 (v = 0 from the identity) to seg_M[m]. Otherwise pass 2: o, and ht from the last
+// The state passes of the two-kernel form (Params::pass = kState, no h_inter): CTA = (n, unit, hv, V block) as
+// kda_state_kernel<kBV>'s grid; kBV / 64 warpgroups of 64 state columns each (kBV 64: a pair's two CTAs share its
+// records through L2 and fill twice the SMs on small grids). kMaps = Params::maps (kBV 128): pass 1 of the split, no
+// o; unit s < P - 1 carries segment s from its start (h0 for s = 0, else 0) to seg_H[s], unit P - 1 + m the
+// transition map of segment m + 1 (v = 0 from the identity) to seg_M[m]. Otherwise pass 2: o, and ht from the last
 // segment.
-template <bool kMaps>
-__global__ void __launch_bounds__(kThreads, 1) kda_state_rs_kernel(__grid_constant__ KdaFwdParams const p) {
+template <bool kMaps, int kBV = 128>
+__global__ void __launch_bounds__(kBV * 2, 1) kda_state_rs_kernel(__grid_constant__ KdaFwdParams const p) {
+  static_assert(kBV == 64 || kBV == 128, "64 state columns per warpgroup, one or two warpgroups");
+  static_assert(!kMaps || kBV == 128, "a map is 128 x 128");
+  constexpr int kWG = kBV / 64, kNT = 128 * kWG;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  StateRsStorage& sm = *reinterpret_cast<StateRsStorage*>(smem_raw);
+  StateRsStorage<kWG>& sm = *reinterpret_cast<StateRsStorage<kWG>*>(smem_raw);
 #ifndef FLA_CULA_KDA_HOST_EMULATION
   if (cute::cast_smem_ptr_to_uint(smem_raw) & 1023u) __trap();  // the swizzle needs a 1024-byte aligned base
 #endif
   int const tid = threadIdx.x, w = tid >> 7, wi = (tid >> 5) & 3, lane = tid & 31;
   int const g8 = lane >> 2, t4 = lane & 3;
   int x = blockIdx.x;
+  int const vb = x % (128 / kBV);
+  x /= 128 / kBV;
   int const hv = x % p.HV;
   x /= p.HV;
   int const unit = x % p.units;
@@ -187,15 +196,15 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_rs_kernel(__grid_consta
 
   unsigned char const* const rec0 =
       static_cast<unsigned char const*>(p.rec) + (int64_t(hv) * p.rec_slots + bos / kC + n) * kKdaRecBytes;
-  bf16 const* const vg = static_cast<bf16 const*>(p.v) + hv * p.v_head_stride;
-  bf16* const og = kMaps ? nullptr : static_cast<bf16*>(p.o) + hv * p.o_head_stride + 64 * w;
+  bf16 const* const vg = static_cast<bf16 const*>(p.v) + hv * p.v_head_stride + kBV * vb;
+  bf16* const og = kMaps ? nullptr : static_cast<bf16*>(p.o) + hv * p.o_head_stride + kBV * vb + 64 * w;
 
   // chunk c's record and v rows (rows past the sequence zero) into stage s, one commit group. The maps pass reads
   // neither Qg nor Aqk, and a map neither akkb nor v.
   auto issue = [&](int c, int s) {
     unsigned char const* const src = rec0 + int64_t(c) * kKdaRecBytes;
     auto copy = [&](int b0, int b1) {
-      for (int b = b0 + 16 * tid; b < b1; b += 16 * kThreads) cp_async16(sm.st[s].rec + b, src + b, true);
+      for (int b = b0 + 16 * tid; b < b1; b += 16 * kNT) cp_async16(sm.st[s].rec + b, src + b, true);
     };
     if constexpr (kMaps) {
       copy(mmap ? kRecWn : kRecAkkb, kRecQg);
@@ -206,8 +215,8 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_rs_kernel(__grid_consta
     int64_t const t0 = bos + int64_t(c) * kC;
     int64_t const left = eos - t0;
 #pragma unroll
-    for (int u = 0; u < 2 * kC * 8 / kThreads; ++u) {
-      int const idx = tid + u * kThreads, vw = idx >> 9, t = (idx >> 3) & 63, q = idx & 7;
+    for (int u = 0; u < kC * 8 / 128; ++u) {  // kWG x 64 rows x 8 pieces over kWG x 128 threads
+      int const idx = tid + u * kNT, vw = idx >> 9, t = (idx >> 3) & 63, q = idx & 7;
       bool const in = t < left;
       if (!mmap) {
         cp_async16(&sm.st[s].v[vw][0][0] + sw128(t, 8 * q),
@@ -225,7 +234,7 @@ __global__ void __launch_bounds__(kThreads, 1) kda_state_rs_kernel(__grid_consta
   float S[16][4];
   int64_t const pair = int64_t(n) * p.HV + hv;
   int const sd = p.state_v_first ? 1 : 128, sc = p.state_v_first ? kK : 1;
-  int const col0 = 64 * w + 16 * wi + g8, d0 = 2 * t4;
+  int const col0 = kBV * vb + 64 * w + 16 * wi + g8, d0 = 2 * t4;
   {
     // pass 2 of a later segment: the combined seg_H; the maps pass: h0 (segment 0 only) or the identity (a map)
     bool const from_seg = !kMaps && seg > 0;

@@ -228,8 +228,8 @@ MAPS_WAVE_US = 14.0
 # kda_state_rs_kernel (state_rs; docs/kda_sm90.md "v4"): PREDICTED, not yet measured. A chunk takes the longer of its
 # chain and its bytes' share of DRAM bandwidth with every concurrent CTA streaming (pass 2: record 66 KB, v 16 KB and
 # o 16 KB; maps: ~45 KB, no Qg / Aqk / o); a wave's start is its first loads. Refit from kda_variants' per-pass times.
-RS_CHAIN_US = {"pass2": 1.5, "maps": 1.2}
-RS_BYTES = {"pass2": 98e3, "maps": 45e3}
+RS_CHAIN_US = {"pass2": 1.5, "pass2_64": 0.9, "maps": 1.2}      # pass2_64: one warpgroup, 64 columns, per CTA
+RS_BYTES = {"pass2": 98e3, "pass2_64": 49e3, "maps": 45e3}        # pass2_64: a pair's two CTAs share the record
 RS_DRAM_BYTES_PER_US = 4.0e6
 RS_WAVE_US = 3.0
 
@@ -237,7 +237,7 @@ RS_WAVE_US = 3.0
 def _pass2_us(chunks: list[int], HV: int, sms: int, bv: int, state_rs: bool) -> float:
     """Pass 2 of the two-kernel form over these chunk counts: kda_state_rs_kernel, or kda_state_kernel<bv>."""
     if state_rs:
-        return _rs_pass_us(chunks, HV, sms, "pass2")
+        return _rs_pass_us(chunks, HV * (HEAD_DIM // bv), sms, "pass2" if bv == 128 else "pass2_64")
     us = STATE_US_PER_CHUNK[bv]
     return _pass_us(chunks, HV * (HEAD_DIM // bv), sms, us * (STATE_SHARED if STATE_CTAS_PER_SM[bv] > 1 else 1.0),
                     STATE_CTAS_PER_SM[bv], us, STATE_WAVE_US)
@@ -265,10 +265,10 @@ class TwoKernelPlan:
 def two_kernel_plan(lens: list[int], HV: int, sms: int, segments: int | None = None,
                     block_v: int | None = None, state_rs: bool = False) -> TwoKernelPlan:
     """The cheapest (segments, block_v) of the two-kernel form for these lengths (pure, memoized per lengths);
-    `segments` / `block_v` force them; state_rs: the state passes on kda_state_rs_kernel (128 columns). Splits are
-    considered only for grids of fewer (sequence, value head) pairs than SMs: a grid that fills the GPU gains nothing
-    from them, and the search stays small on the routing path."""
-    return _two_kernel_plan(tuple(lens), HV, sms, segments, 128 if state_rs else block_v, state_rs)
+    `segments` / `block_v` force them; state_rs: the state passes on kda_state_rs_kernel. Splits are considered only
+    for grids of fewer (sequence, value head) pairs than SMs: a grid that fills the GPU gains nothing from them, and the
+    search stays small on the routing path."""
+    return _two_kernel_plan(tuple(lens), HV, sms, segments, block_v, state_rs)
 
 
 @functools.lru_cache(maxsize=256)
@@ -330,9 +330,8 @@ def run_two_kernel(launch, N: int, HV: int, slots: int, device, plan: TwoKernelP
     inputs bound; the CPU emulator in tests) with the keywords pass_kind, rec, chunks_per_cta, units, maps, seg_H,
     seg_M, block_v, o, ht, Aqk, Akk, and out_kw (h_inter, chunk_offsets) for the pass that writes o; `combine(seg_H,
     seg_M)` is the split's combine (the forward passes `_C.kda_combine`). state_rs: the maps pass and pass 2 on
-    kda_state_rs_kernel (128 columns per CTA; pass 2 with h_inter keeps kda_state_kernel). Allocates the records (64.5
-    KB per chunk and value head) and the segment states (64 KB per (sequence, value head) and segment, 2 P - 3 of
-    them)."""
+    kda_state_rs_kernel (pass 2 with h_inter keeps kda_state_kernel). Allocates the records (64.5 KB per chunk and
+    value head) and the segment states (64 KB per (sequence, value head) and segment, 2 P - 3 of them)."""
     rec = torch.empty(HV, slots, REC_BYTES, dtype=torch.uint8, device=device)
     launch(pass_kind=1, rec=rec, chunks_per_cta=PREP_CHUNKS, units=plan.prep_units, maps=False, seg_H=None,
            seg_M=None, block_v=64, o=None, ht=None, Aqk=Aqk, Akk=Akk)
@@ -345,9 +344,10 @@ def run_two_kernel(launch, N: int, HV: int, slots: int, device, plan: TwoKernelP
                seg_M=seg_M, block_v=128, o=None, ht=None, Aqk=None, Akk=None, **rs)
         combine(seg_H, seg_M)
     out_kw = out_kw or {}
-    rs = {**rs, "block_v": 128} if rs and out_kw.get("h_inter") is None else {}
+    if out_kw.get("h_inter") is not None:
+        rs = {}
     launch(pass_kind=2, rec=rec, chunks_per_cta=plan.seg_chunks, units=P, maps=False, seg_H=seg_H, seg_M=None,
-           **{"block_v": plan.block_v, **rs}, o=o, ht=ht, Aqk=None, Akk=None, **out_kw)
+           block_v=plan.block_v, o=o, ht=ht, Aqk=None, Akk=None, **rs, **out_kw)
 
 
 def _route_reason(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu,

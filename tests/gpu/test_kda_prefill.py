@@ -528,12 +528,13 @@ def test_two_kernel(c, bv, segments, strict_mode, fla_fns):
 # tensor cores may order a block's products differently in the other operand roles, so the bar is the fp64 / FLA one,
 # errors within 5% of the default state kernels' and o / final state within a few bf16 roundings of theirs.
 @pytest.mark.parametrize("segments", [1, 3])
+@pytest.mark.parametrize("bv", [64, 128])
 @pytest.mark.parametrize("c", _params(TWO_KERNEL_CASES, {"T65-B1-vfirst", "empty-mid-i64", "slow-varlen-H4-lb-5"}))
-def test_state_rs(c, segments, strict_mode, fla_fns):
-    knobs = dict(block_v=128, two_kernel=True, segments=segments)
+def test_state_rs(c, bv, segments, strict_mode, fla_fns):
+    knobs = dict(block_v=bv, two_kernel=True, segments=segments)
     (o1, ht1, e1), (o2, ht2, e2) = _forward_pair(c, fla_fns, knobs, dict(knobs, state_rs=True))
     same = torch.equal(o1, o2) and (ht1 is None or torch.equal(ht1, ht2))
-    print(f"\n{describe(c)} P={segments}: errors {e1} -> {e2}; bit-identical: {same}")
+    print(f"\n{describe(c)} block_v {bv} P={segments}: errors {e1} -> {e2}; bit-identical: {same}")
     for name in e1.keys() & {"o", "ht"}:
         assert e2[name] <= 1.05 * e1[name] + 1e-5, (name, e2[name], e1[name])
     assert rel_rms(o1.float(), o2.float()) < 1e-3
@@ -597,8 +598,9 @@ def test_two_kernel_abi_errors():
         pass_kind=2, rec=rec, units=3, seg_H=seg)
     err(r"units: expected 2 P - 3 \(odd\) with maps, got 2", (None, None, None, None), pass_kind=2, rec=rec,
         units=2, maps=True, chunks_per_cta=1, block_v=128)
-    err(r"state_rs: expected a state pass .* got pass_kind 2 block_v 64", (o, None, None, None),
-        pass_kind=2, rec=rec, block_v=64, state_rs=True)
+    err(r"state_rs: expected a state pass \(pass_kind 2\) without h_inter or phase_cycles, got pass_kind 2 with "
+        r"phase_cycles", (o, None, None, None), pass_kind=2, rec=rec, block_v=64, state_rs=True,
+        phase_cycles=torch.zeros(B * H * 2, C.KDA_FWD_PHASES, dtype=torch.int64, device=DEV))
     err(r"state_rs: expected a state pass .* got pass_kind 1", (None, None, None, None), pass_kind=1, rec=rec,
         state_rs=True)
 
