@@ -7,8 +7,8 @@
 //   V'^T = v^T akkb^T + bf16(S^T) (-W)^T            (64 columns x 64 tokens per warpgroup)
 //   O^T  = bf16(S^T) Qg^T + bf16(V'^T) Aqk^T        (o rows < the chunk's length are stored)
 //   S^T  = S^T diag(gamma) + bf16(V'^T) Kd
-// Warpgroup w owns the state columns 64 w .. 64 w + 63 (rows of S^T): its columns are an independent recurrence
-// under the chunk's K-side operators, so the two warpgroups share the record and never wait for each other's products.
+// Warpgroup w of a CTA's one or two owns 64 state columns (rows of S^T): its columns are an independent recurrence
+// under the chunk's K-side operators, so two warpgroups share the record and never wait for each other's products.
 // S^T and V'^T are wgmma accumulators whose 16-column blocks are also the A fragments of the next product (fp32
 // packed to bf16 in registers), so the serial chain S -> V' -> S has no shared-memory round trip; every B operand is
 // a record tile as the prep wrote it (K-major, 128-byte swizzled), and v^T is read as an MN-major A from v's own rows.

@@ -53,8 +53,8 @@ _PARAM_DTYPES = (torch.float32, torch.bfloat16)
 # False: the same phases on mma.sync, kept for comparison. two_kernel: None = the cost model picks the fused kernel
 # or the two-kernel form (the latter only once TWO_KERNEL_VERIFIED); True / False forces it. segments: None = the
 # cost model's split of the two-kernel form; P >= 1 forces P segments (1: no split). state_rs: the two-kernel form's
-# pass 2 on kda_state_rs_kernel (the state transposed in wgmma registers, docs/kda_sm90.md "v4"); off until it has
-# been measured on the H200 (STATE_RS_VERIFIED).
+# state passes (maps, pass 2) on kda_state_rs_kernel (the state transposed in wgmma registers, docs/kda_sm90.md "v4");
+# off until it has been measured on the H200 (STATE_RS_VERIFIED).
 STATE_RS_VERIFIED = False
 _TUNING = {"block_v": None, "wgmma": True, "two_kernel": None, "segments": None, "state_rs": STATE_RS_VERIFIED}
 
@@ -63,7 +63,7 @@ def set_tuning(block_v: int | None = None, wgmma: bool = True, two_kernel: bool 
                segments: int | None = None, state_rs: bool = STATE_RS_VERIFIED) -> None:
     """Force the V columns per CTA (64 or 128) for every call (None: chosen per call), pick the instruction of the
     state-side products (wgmma or mma.sync), force or forbid the two-kernel form and its number of segments, and pick
-    the two-kernel form's pass-2 kernel (state_rs: the state in registers); no argument: the defaults."""
+    the two-kernel form's state-pass kernel (state_rs: the state in registers); no argument: the defaults."""
     if block_v not in (None, 64, 128):
         raise ValueError(f"block_v={block_v!r}: expected None, 64 or 128")
     if not isinstance(wgmma, bool):
@@ -232,6 +232,9 @@ RS_CHAIN_US = {"pass2": 1.5, "pass2_64": 0.9, "maps": 1.2}      # pass2_64: one 
 RS_BYTES = {"pass2": 98e3, "pass2_64": 49e3, "maps": 45e3}        # pass2_64: a pair's two CTAs share the record
 RS_DRAM_BYTES_PER_US = 4.0e6
 RS_WAVE_US = 3.0
+COMBINE_US = (7.5, 2.5)             # the combine kernel: fixed, and per serial segment step and wave of SMs
+COMBINE_CTAS_PER_PAIR = 16          # kda_combine_kernel: 8 of the 128 columns per CTA
+MAX_SEGMENTS = 16
 
 
 def _pass2_us(chunks: list[int], HV: int, sms: int, bv: int, state_rs: bool) -> float:
@@ -244,13 +247,10 @@ def _pass2_us(chunks: list[int], HV: int, sms: int, bv: int, state_rs: bool) -> 
 
 
 def _rs_pass_us(chunks: list[int], copies: int, sms: int, kind: str) -> float:
-    """A pass of kda_state_rs_kernel (one 128-column CTA per SM) over these chunk counts, `copies` CTAs each."""
+    """A pass of kda_state_rs_kernel (one CTA per SM) over these chunk counts, `copies` CTAs each."""
     concurrent = min(len(chunks) * copies, sms)
     us = max(RS_CHAIN_US[kind], RS_BYTES[kind] * concurrent / RS_DRAM_BYTES_PER_US)
     return _pass_us(chunks, copies, sms, us, fixed=RS_WAVE_US)
-COMBINE_US = (7.5, 2.5)             # the combine kernel: fixed, and per serial segment step and wave of SMs
-COMBINE_CTAS_PER_PAIR = 16          # kda_combine_kernel: 8 of the 128 columns per CTA
-MAX_SEGMENTS = 16
 
 
 @dataclasses.dataclass(frozen=True)
