@@ -865,7 +865,8 @@ def test_wgmma_variant_emulated_same_bits(emulator, case, block_v):
 def test_sw128_is_cutes_layout(emulator, tmp_path):
     """The kernel's swizzled tile addressing (sw128, sw128k) is CuTe's GMMA::Layout_K_SW128_Atom<bf16> tiled to
     128 x 64, 64 x 128 and 128 x 128 (through a 1024-byte aligned smem pointer): the layout the wgmma descriptors of
-    kda_fwd_kernel describe."""
+    kda_fwd_kernel describe; and sw128(k, m) is GMMA::Layout_MN_SW128_Atom<bf16> tiled to 64 x 64, the MN-major A of
+    kda_state_rs_kernel."""
     import ctypes
     import shutil
     import subprocess
@@ -890,6 +891,12 @@ extern "C" int cute_sw128(int rows, int cols, int r, int c) {
   if (cols == 64) return offset<128, 64>(r, c);
   return rows == 64 ? offset<64, 128>(r, c) : offset<128, 128>(r, c);
 }
+// element (m, k) of GMMA::Layout_MN_SW128_Atom tiled to 64 x 64 (kda_state_rs_kernel's v^T operand)
+extern "C" int cute_sw128_mn(int m, int k) {
+  using namespace cute;
+  auto layout = tile_to_shape(SM90::GMMA::Layout_MN_SW128_Atom<cutlass::bfloat16_t>{}, Shape<_64, _64>{});
+  return int(&make_tensor(make_smem_ptr(buf), layout)(m, k) - buf);
+}
 """)
     so = tmp_path / "libsw.so"
     r = subprocess.run([gxx, "-std=c++17", "-O1", "-fPIC", "-shared", f"-I{inc}", f"-I{home / 'include'}",
@@ -901,6 +908,8 @@ extern "C" int cute_sw128(int rows, int cols, int r, int c) {
     for rows in (64, 128):  # [rows][128] tiles (Wn, Qg: 64 rows; S^T: 128), two atoms along K
         bad += [(rows, i, j) for i in range(rows) for j in range(128)
                 if cute.cute_sw128(rows, 128, i, j) != emulator.emu_sw128k(rows, i, j)]
+    # the MN-major 64 x 64 tile: element (m, k) at sw128(k, m), so v's rows [token k][column m] are the v^T operand
+    bad += [("mn", m, k) for m in range(64) for k in range(64) if cute.cute_sw128_mn(m, k) != emulator.emu_sw128(k, m)]
     assert not bad, bad[:8]
 
 
