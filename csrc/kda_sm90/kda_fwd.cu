@@ -1,7 +1,7 @@
 // Launcher of the KDA prefill forward: size checks, device, shared-memory opt-in, launch. Instantiations: the fused
 // kernel with the bounded sigmoid gate, 64 or 128 V columns per CTA, mma.sync or wgmma, without and with the
 // phase_cycles instrumentation; the two-kernel form's prep kernel and its state kernel at 64 and 128 columns, each
-// also with the instrumentation, and the state kernel with the state in registers (pass 2 only).
+// also with the instrumentation, and the state kernel with the state in registers (pass 2 at 64 / 128 columns, maps).
 #include "kda_sm90/kda_fwd.h"
 
 #include <cuda_runtime_api.h>
