@@ -616,24 +616,24 @@ inline void kda_emulated_mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a
   }
 }
 
-// wgmma m64nNk16 x K / 16 of the warpgroup, for the thread's own accumulator entries: A and B read as the
-// hardware reads a K-major 128-byte-swizzled tile (the 16-byte chunk j of row r stored at chunk j ^ (r % 8); a
-// second 64-column atom `rows` rows further), each 16-column block summed as kda_emulated_mma sums it
+// element (r, c) of a K-major 128-byte-swizzled tile as the hardware reads it (the 16-byte chunk j of row r stored
+// at chunk j ^ (r % 8); a second 64-column atom `rows` rows further)
+inline double kda_emu_sw(__nv_bfloat16 const* t, int rows, int r, int c) {
+  int const c6 = c & 63;
+  return double(__bfloat162float(t[(c >> 6) * rows * 64 + r * 64 + (((c6 >> 3) ^ (r & 7)) << 3) + (c6 & 7)]));
+}
+// wgmma m64nNk16 x K / 16 of the warpgroup, for the thread's own accumulator entries, A and B K-major sw128 tiles,
+// each 16-column block summed as kda_emulated_mma sums it
 template <int N, int K, int BRows>
 inline void kda_emulated_wgmma(float (&acc)[N / 8][4], __nv_bfloat16 const* A, __nv_bfloat16 const* B, int lane,
                                int wi) {
-  // column c of row r of a tile whose 64-column halves lie `rows` rows apart
-  auto at = [](__nv_bfloat16 const* t, int rows, int r, int c) {
-    int const c6 = c & 63;
-    return double(__bfloat162float(t[(c >> 6) * rows * 64 + r * 64 + (((c6 >> 3) ^ (r & 7)) << 3) + (c6 & 7)]));
-  };
   int g = lane >> 2, t = lane & 3;
   for (int kb = 0; kb < K / 16; ++kb)
     for (int nt = 0; nt < N / 8; ++nt)
       for (int e = 0; e < 4; ++e) {
         int r = 16 * wi + g + (e >> 1) * 8, col = nt * 8 + 2 * t + (e & 1);
         double s = 0;
-        for (int k = 0; k < 16; ++k) s += at(A, 64, r, 16 * kb + k) * at(B, BRows, col, 16 * kb + k);
+        for (int k = 0; k < 16; ++k) s += kda_emu_sw(A, 64, r, 16 * kb + k) * kda_emu_sw(B, BRows, col, 16 * kb + k);
         acc[nt][e] += float(s);
       }
 }
@@ -651,10 +651,6 @@ inline void kda_emulated_wgmma_rs(float (&acc)[N / 8][4], uint32_t const (&a)[K 
   int const w = threadIdx.x >> 7, t = threadIdx.x & 127;
   std::memcpy(g_ra[w][t], a, sizeof(a));
   g_wgbar[w]->arrive_and_wait();
-  auto bat = [](__nv_bfloat16 const* tl, int rows, int r, int c) {
-    int const c6 = c & 63;
-    return double(__bfloat162float(tl[(c >> 6) * rows * 64 + r * 64 + (((c6 >> 3) ^ (r & 7)) << 3) + (c6 & 7)]));
-  };
   auto aat = [w](int r, int c) {  // A (row r of 64, column c of K) from the fragment that holds it
     int const wi = r >> 4, g = r & 7, hi8 = (r >> 3) & 1, kb = c >> 4, cc = c & 15, tq = (cc & 7) >> 1;
     uint32_t const x = g_ra[w][32 * wi + 4 * g + tq][kb][hi8 + 2 * (cc >> 3)];
@@ -666,22 +662,19 @@ inline void kda_emulated_wgmma_rs(float (&acc)[N / 8][4], uint32_t const (&a)[K 
       for (int e = 0; e < 4; ++e) {
         int r = 16 * wi + g + (e >> 1) * 8, col = nt * 8 + 2 * tq + (e & 1);
         double s = 0;
-        for (int k = 0; k < 16; ++k) s += aat(r, 16 * kb + k) * bat(B, BRows, col, 16 * kb + k);
+        for (int k = 0; k < 16; ++k) s += aat(r, 16 * kb + k) * kda_emu_sw(B, BRows, col, 16 * kb + k);
         acc[nt][e] = (kb == 0 && !accumulate ? 0.f : acc[nt][e]) + float(s);
       }
   g_wgbar[w]->arrive_and_wait();
 }
 inline void kda_emulated_wgmma_mn(float (&acc)[8][4], __nv_bfloat16 const* A, __nv_bfloat16 const* B) {
-  auto sw = [](__nv_bfloat16 const* tl, int r, int c) {  // element (r, c) of a [64][64] sw128 tile
-    return double(__bfloat162float(tl[r * 64 + (((c >> 3) ^ (r & 7)) << 3) + (c & 7)]));
-  };
   int const t = threadIdx.x & 127, wi = t >> 5, l = t & 31, g = l >> 2, tq = l & 3;
   for (int kb = 0; kb < 4; ++kb)
     for (int nt = 0; nt < 8; ++nt)
       for (int e = 0; e < 4; ++e) {
         int r = 16 * wi + g + (e >> 1) * 8, col = nt * 8 + 2 * tq + (e & 1);
         double s = 0;
-        for (int k = 0; k < 16; ++k) s += sw(A, 16 * kb + k, r) * sw(B, col, 16 * kb + k);
+        for (int k = 0; k < 16; ++k) s += kda_emu_sw(A, 64, 16 * kb + k, r) * kda_emu_sw(B, 64, col, 16 * kb + k);
         acc[nt][e] = (kb == 0 ? 0.f : acc[nt][e]) + float(s);
       }
 }

@@ -25,7 +25,8 @@
 // and writes each chunk's phase-7/8 operand tiles to a record in global memory, most of them from registers;
 // kda_state_kernel loads them (cp.async, two commit groups a chunk ahead) and does 7-8 over a sequence or one segment
 // of it (the exact sequence split: Params::maps, seg_H, seg_M; docs/kda_sm90.md "Two kernels and the exact sequence
-// split"). kda_state_rs_kernel.cuh runs the same pass 2 with the state transposed in wgmma registers (Params::state_rs).
+// split"). kda_state_rs_kernel.cuh runs the same state passes with the state transposed in wgmma registers
+// (Params::state_rs).
 // Every exponent formed is <= 0 except the block scalars 2^(A_r - B_s) <= 2^118 for lb >= -5
 // (docs/kda_sm90.md 1.3): nothing overflows. Products are warp-level mma.sync m16n8k16 over smem tiles
 // (warp_mma_tn); with kWgmma those of phases 6-8 are warpgroup MMAs (wg_mma_tn) over 128-byte-swizzled tiles.
@@ -250,6 +251,13 @@ __device__ __forceinline__ cute::GmmaDescriptor desc(bf16 const* tile) {
   return GMMA::make_gmma_desc<GMMA::Major::K>(local_tile(t, Shape<Int<Rows>, _16>{}, make_coord(0, 0)));
 }
 
+// the descriptor of 16-column block kb of a K-major sw128 tile whose 64-column halves lie `rows` rows apart: 32 B per
+// block inside a half (2 descriptor address units), rows x 128 B to the next half
+__device__ __forceinline__ uint64_t kblock(cute::GmmaDescriptor d, int kb, int rows) {
+  d.reg32_[0] += (kb >> 2) * rows * 8 + 2 * (kb & 3);
+  return d.desc_;
+}
+
 template <int N, size_t... I>
 __device__ __forceinline__ void fma(uint64_t da, uint64_t db, float* d, std::index_sequence<I...>) {
   Mma<N>::fma(da, db, d[I]..., cute::GMMA::ScaleOut::One);
@@ -276,11 +284,8 @@ __device__ __forceinline__ void wg_mma_tn(float (&acc)[N / 8][4], bf16 const* A,
   cute::warpgroup_arrive();
   cute::GmmaDescriptor da = wg::desc<64>(A), db = wg::desc<N>(B);
 #pragma unroll
-  for (int kb = 0; kb < K / 16; ++kb) {  // 16 columns = 32 bytes = 2 descriptor address units (16 B) along K;
-    cute::GmmaDescriptor a = da, b = db;  // the next 64 columns: rows x 128 B further
-    a.reg32_[0] += (kb >> 2) * 64 * 8 + 2 * (kb & 3);
-    b.reg32_[0] += (kb >> 2) * BRows * 8 + 2 * (kb & 3);
-    wg::fma<N>(a.desc_, b.desc_, d, std::make_index_sequence<N / 2>{});
+  for (int kb = 0; kb < K / 16; ++kb) {
+    wg::fma<N>(wg::kblock(da, kb, 64), wg::kblock(db, kb, BRows), d, std::make_index_sequence<N / 2>{});
   }
   cute::warpgroup_commit_batch();
   cute::warpgroup_wait<0>();

@@ -96,9 +96,7 @@ __device__ __forceinline__ void wg_rs(float (&acc)[N / 8][4], uint32_t const (&a
   cute::GmmaDescriptor const db = wg::desc<N>(B);
 #pragma unroll
   for (int kb = 0; kb < K / 16; ++kb) {
-    cute::GmmaDescriptor b = db;
-    b.reg32_[0] += (kb >> 2) * BRows * 8 + 2 * (kb & 3);
-    wg::fma_rs<N>(a[kb], b.desc_, &acc[0][0],
+    wg::fma_rs<N>(a[kb], wg::kblock(db, kb, BRows), &acc[0][0],
                   kb == 0 && !accumulate ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
                   std::make_index_sequence<N / 2>{});
   }
@@ -113,10 +111,10 @@ __device__ __forceinline__ void wg_mn(float (&acc)[8][4], bf16 const* A, bf16 co
   cute::GmmaDescriptor const da = wg::desc_mn(A), db = wg::desc<64>(B);
 #pragma unroll
   for (int kb = 0; kb < 4; ++kb) {
-    cute::GmmaDescriptor a = da, b = db;
+    cute::GmmaDescriptor a = da;
     a.reg32_[0] += 128 * kb;
-    b.reg32_[0] += 2 * kb;
-    wg::fma_mn(a.desc_, b.desc_, &acc[0][0], kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
+    wg::fma_mn(a.desc_, wg::kblock(db, kb, 64), &acc[0][0],
+               kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
                std::make_index_sequence<32>{});
   }
 #endif
