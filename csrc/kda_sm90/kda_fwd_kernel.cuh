@@ -381,6 +381,15 @@ __device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
   return *reinterpret_cast<uint32_t*>(&r);
 }
 
+// a packed bf16 pair to / from p (4-byte aligned, shared or global)
+__device__ __forceinline__ void st_word(bf16* p, uint32_t w) { *reinterpret_cast<uint32_t*>(p) = w; }
+__device__ __forceinline__ uint32_t ld_word(bf16 const* p) { return *reinterpret_cast<uint32_t const*>(p); }
+
+// the low halves of x and y as a pair (x's low), and the high halves: channel pairs (d, d + 1) of tokens i and i + 1
+// regrouped as token pairs (i, i + 1) of channels d and d + 1
+__device__ __forceinline__ uint32_t lo_halves(uint32_t x, uint32_t y) { return (x & 0xffffu) | y << 16; }
+__device__ __forceinline__ uint32_t hi_halves(uint32_t x, uint32_t y) { return x >> 16 | (y & 0xffff0000u); }
+
 // stmatrix.sync.aligned.m8n8.x4.trans: the warp stores four 8x8 bf16 tiles transposed. Register i holds tile i as an
 // m16n8 C fragment half (lane l: row l / 4, columns 2 (l % 4) and + 1); lane 8 i + j gives the address of stored row
 // j of tile i, which receives the tile's column j (8 consecutive bf16, 16 bytes, 16-byte aligned).
@@ -1011,15 +1020,13 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
         float2 acc = make_float2(0.f, 0.f);
 #pragma unroll
         for (int u = 0; u < kBC; ++u) {
-          int const i = kBC * r + u;
-          float2 a = make_float2(0.f, 0.f);
-          if (i < rows) {
-            float2 const x = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u3.graw[i][d]));
-            a.x = lbl * rcp(1.f + ex2(fmaf(c, x.x, cb0)));
-            a.y = lbl * rcp(1.f + ex2(fmaf(c, x.y, cb1)));
-          }
-          acc.x += a.x;
-          acc.y += a.y;
+          // every row computed, rows past the end selected away (whatever their raw bits): no branch between the
+          // 16 independent sigmoids
+          bool const in = kBC * r + u < rows;
+          float2 const x = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u3.graw[kBC * r + u][d]));
+          float const ax = lbl * rcp(1.f + ex2(fmaf(c, x.x, cb0))), ay = lbl * rcp(1.f + ex2(fmaf(c, x.y, cb1)));
+          acc.x += in ? ax : 0.f;
+          acc.y += in ? ay : 0.f;
           Gr[u] = acc;
         }
         *reinterpret_cast<float2*>(&sm.blk[r][d]) = acc;
@@ -1108,13 +1115,20 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       mark(1);
 
       // ---- 3: block-anchored factors (exponents G - A_r <= 0, B_r - G <= 0); the per-channel block scalars
-      //      2^(A_r - B_s) of the pairs (r, s <= r) for phase 4
-      for (int e = tid; e < kPairs * kK / 2; e += kThreads) {
-        int const pr = e >> 6, d = 2 * (e & (kK / 2 - 1));
-        int const r = pr >= 6 ? 3 : pr >= 3 ? 2 : pr >= 1 ? 1 : 0, s = pr - r * (r + 1) / 2;
-        // stored where phase 4's lane t4 of k-step k0 reads its two pairs (d = k0 + 2 t4 and + 8) as one 8-byte word
-        sm.pw[pr][(d >> 4) * 8 + (d & 7) + ((d >> 3) & 1)] = pow2i_bf16(sm.anc_a[r][d] - sm.anc_b[s][d]) |
-                                                             pow2i_bf16(sm.anc_a[r][d + 1] - sm.anc_b[s][d + 1]) << 16;
+      //      2^(A_r - B_s) of the pairs (r, s <= r) for phase 4: thread = (block r, channel pair d) as in phase 2
+      //      (r is warp-uniform), one pair per s <= r, stored where phase 4's lane t4 of k-step k0 reads its two
+      //      pairs (d = k0 + 2 t4 and + 8) as one 8-byte word
+      {
+        static_assert(kThreads == (kC / kBC) * (kK / 2), "one thread per (16-row block, channel pair)");
+        int const r = tid >> 6, d = 2 * (tid & 63), w = (d >> 4) * 8 + (d & 7) + ((d >> 3) & 1);
+        int const ia0 = sm.anc_a[r][d], ia1 = sm.anc_a[r][d + 1];
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          if (s <= r) {
+            sm.pw[r * (r + 1) / 2 + s][w] =
+                pow2i_bf16(ia0 - sm.anc_b[s][d]) | pow2i_bf16(ia1 - sm.anc_b[s][d + 1]) << 16;
+          }
+        }
       }
       uint32_t kg[2][kBC / 2];  // kPrep: Kg^T token pairs (i, i + 1) of channels d, d + 1, stored after phase 4
       if constexpr (kPass == kKdaPrep) {
@@ -1128,7 +1142,9 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
         bf16* const rec_qg = reinterpret_cast<bf16*>(rc + kRecQg);
         bf16* const rec_kdT = reinterpret_cast<bf16*>(rc + kRecKdT);
         int const ia0 = sm.anc_a[r][d], ia1 = sm.anc_a[r][d + 1];
-        float const a0 = float(ia0), a1 = float(ia1), pa0 = pow2i(ia0), pa1 = pow2i(ia1);
+        float const a0 = float(ia0), a1 = float(ia1);
+        uint32_t const pb0 = pow2i_bf16(ia0), pb1 = pow2i_bf16(ia1);  // 2^A_r as bf16 pairs
+        uint32_t const pa01 = pb0 | pb1 << 16, pa00 = pb0 | pb0 << 16, pa11 = pb1 | pb1 << 16;
         float const b0 = float(sm.anc_b[r][d]), b1 = float(sm.anc_b[r][d + 1]);
         float const hb0 = ex2(sm.g63[d] - b0), hb1 = ex2(sm.g63[d + 1] - b1);  // 2^(G_63 - B_r)
         uint32_t kd[2][2];  // Kd^T rows d, d + 1: two token pairs (8 bytes of a row)
@@ -1140,19 +1156,22 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
           // anchored (phase 4's operands)
           float const ea00 = ex2(G0.x - a0), ea01 = ex2(G0.y - a1), ea10 = ex2(G1.x - a0), ea11 = ex2(G1.y - a1);
           float const fb00 = ex2(b0 - G0.x), fb01 = ex2(b1 - G0.y), fb10 = ex2(b0 - G1.x), fb11 = ex2(b1 - G1.y);
-          store_pair(&t1_at(i, d), q0.x * sq0 * ea00, q0.y * sq0 * ea01);
-          store_pair(&t1_at(i + 1, d), q1.x * sq1 * ea10, q1.y * sq1 * ea11);
-          store_pair(&ke_at(i, d), k0.x * sk0 * ea00, k0.y * sk0 * ea01);
-          store_pair(&ke_at(i + 1, d), k1.x * sk1 * ea10, k1.y * sk1 * ea11);
+          uint32_t const qe0 = pack_bf16(q0.x * sq0 * ea00, q0.y * sq0 * ea01);  // Qe row i, channels d, d + 1
+          uint32_t const qe1 = pack_bf16(q1.x * sq1 * ea10, q1.y * sq1 * ea11);
+          uint32_t const ke0 = pack_bf16(k0.x * sk0 * ea00, k0.y * sk0 * ea01);
+          uint32_t const ke1 = pack_bf16(k1.x * sk1 * ea10, k1.y * sk1 * ea11);
+          st_word(&t1_at(i, d), qe0);
+          st_word(&t1_at(i + 1, d), qe1);
+          st_word(&ke_at(i, d), ke0);
+          st_word(&ke_at(i + 1, d), ke1);
           store_pair(&sm.t3.Kf[i][d], k0.x * sk0 * fb00, k0.y * sk0 * fb01);
           store_pair(&sm.t3.Kf[i + 1][d], k1.x * sk1 * fb10, k1.y * sk1 * fb11);
-          // state-side (exponents <= 0), from the anchored factors: 2^G = 2^(G - A_r) 2^A_r and
+          // state-side (exponents <= 0), from the anchored factors: Qg = Qe 2^A_r, Kg = Ke 2^A_r (scale_pair) and
           // 2^(G_63 - G) = 2^(B_r - G) 2^(G_63 - B_r) (the fused kernel's phase 5a forms the same products)
-          float const e00 = ea00 * pa0, e01 = ea01 * pa1, e10 = ea10 * pa0, e11 = ea11 * pa1;
-          store_pair(rec_qg + sw128k<kC>(i, d), q0.x * sq0 * e00, q0.y * sq0 * e01);
-          store_pair(rec_qg + sw128k<kC>(i + 1, d), q1.x * sq1 * e10, q1.y * sq1 * e11);
-          kg[0][u / 2] = pack_bf16(k0.x * sk0 * e00, k1.x * sk1 * e10);
-          kg[1][u / 2] = pack_bf16(k0.y * sk0 * e01, k1.y * sk1 * e11);
+          st_word(rec_qg + sw128k<kC>(i, d), scale_pair(qe0, pa01));
+          st_word(rec_qg + sw128k<kC>(i + 1, d), scale_pair(qe1, pa01));
+          kg[0][u / 2] = scale_pair(lo_halves(ke0, ke1), pa00);
+          kg[1][u / 2] = scale_pair(hi_halves(ke0, ke1), pa11);
           kd[0][(u >> 1) & 1] = pack_bf16(k0.x * sk0 * (fb00 * hb0), k1.x * sk1 * (fb10 * hb0));
           kd[1][(u >> 1) & 1] = pack_bf16(k0.y * sk0 * (fb01 * hb1), k1.y * sk1 * (fb11 * hb1));
           if ((u & 3) == 2) {  // tokens kBC r + (u & 12) .. + 3 of rows d, d + 1
@@ -1284,26 +1303,38 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
           }
         }
       } else {
-        for (int idx = tid; idx < (kC / 2) * (kK / 2); idx += kThreads) {
-          int const l = idx & 31, grp = idx >> 5;
+        // Qg = Qe 2^A_r in place and Kg = Ke 2^A_r (scale_pair: the prep's products, same bits); Kg^T overwrites
+        // Ke's storage, so every thread reads its Ke pairs before the barrier and stores Kg^T after it
+        constexpr int kIt = (kC / 2) * (kK / 2) / kThreads;
+        uint32_t kgw[kIt][2];
+#pragma unroll
+        for (int it = 0; it < kIt; ++it) {
+          int const idx = tid + it * kThreads, l = idx & 31, grp = idx >> 5;
           int const i = 2 * ((grp & 3) * 8 + (l & 7)), d = 2 * ((grp >> 2) * 4 + (l >> 3));
           float2 const G0 = *reinterpret_cast<float2 const*>(&sm.u2.G[i][d]);
           float2 const G1 = *reinterpret_cast<float2 const*>(&sm.u2.G[i + 1][d]);
           float2 const G63 = *reinterpret_cast<float2 const*>(&sm.u2.G[kC - 1][d]);
           auto const [q0, q1, k0, k1, sq0, sq1, sk0, sk1] = raw_pair(i, d);
           // the prep's products (phase 3): 2^G = 2^(G - A_r) 2^A_r, 2^(G_63 - G) = 2^(B_r - G) 2^(G_63 - B_r)
-          int const r = i >> 4, ia0 = sm.anc_a[r][d], ia1 = sm.anc_a[r][d + 1];
-          float const a0 = float(ia0), a1 = float(ia1), pa0 = pow2i(ia0), pa1 = pow2i(ia1);
+          int const r = i >> 4;
+          uint32_t const pb0 = pow2i_bf16(sm.anc_a[r][d]), pb1 = pow2i_bf16(sm.anc_a[r][d + 1]);
           float const b0 = float(sm.anc_b[r][d]), b1 = float(sm.anc_b[r][d + 1]);
           float const hb0 = ex2(G63.x - b0), hb1 = ex2(G63.y - b1);
-          float const e00 = ex2(G0.x - a0) * pa0, e01 = ex2(G0.y - a1) * pa1;  // e[token][channel]
-          float const e10 = ex2(G1.x - a0) * pa0, e11 = ex2(G1.y - a1) * pa1;
-          store_pair(&t1_at(i, d), q0.x * sq0 * e00, q0.y * sq0 * e01);
-          store_pair(&t1_at(i + 1, d), q1.x * sq1 * e10, q1.y * sq1 * e11);
-          store_pair(&kgT_at(d, i), k0.x * sk0 * e00, k1.x * sk1 * e10);
-          store_pair(&kgT_at(d + 1, i), k0.y * sk0 * e01, k1.y * sk1 * e11);
+          st_word(&t1_at(i, d), scale_pair(ld_word(&t1_at(i, d)), pb0 | pb1 << 16));
+          st_word(&t1_at(i + 1, d), scale_pair(ld_word(&t1_at(i + 1, d)), pb0 | pb1 << 16));
+          uint32_t const ke0 = ld_word(&ke_at(i, d)), ke1 = ld_word(&ke_at(i + 1, d));
+          kgw[it][0] = scale_pair(lo_halves(ke0, ke1), pb0 | pb0 << 16);
+          kgw[it][1] = scale_pair(hi_halves(ke0, ke1), pb1 | pb1 << 16);
           store_pair(&kdT_at(d, i), k0.x * sk0 * (ex2(b0 - G0.x) * hb0), k1.x * sk1 * (ex2(b0 - G1.x) * hb0));
           store_pair(&kdT_at(d + 1, i), k0.y * sk0 * (ex2(b1 - G0.y) * hb1), k1.y * sk1 * (ex2(b1 - G1.y) * hb1));
+        }
+        __syncthreads();
+#pragma unroll
+        for (int it = 0; it < kIt; ++it) {
+          int const idx = tid + it * kThreads, l = idx & 31, grp = idx >> 5;
+          int const i = 2 * ((grp & 3) * 8 + (l & 7)), d = 2 * ((grp >> 2) * 4 + (l >> 3));
+          st_word(&kgT_at(d, i), kgw[it][0]);
+          st_word(&kgT_at(d + 1, i), kgw[it][1]);
         }
       }
       __syncthreads();
