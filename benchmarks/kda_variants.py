@@ -96,7 +96,8 @@ def _pass_graphs(kp, kargs, B, T, H, sms, knobs, capture_graph, profile=False):
     `profile`, the prep and the last pass run once more instrumented: name -> {phase: cycles per chunk per CTA}."""
     q = kargs[0]
     lens = [T] * B
-    plan = kp.two_kernel_plan(lens, H, sms, knobs.get("segments"), knobs.get("block_v"), knobs.get("state_rs", False))
+    state_rs = knobs.get("state_rs", kp.STATE_RS_VERIFIED)  # set_tuning's default when the variant does not set it
+    plan = kp.two_kernel_plan(lens, H, sms, knobs.get("segments"), knobs.get("block_v"), state_rs)
     calls = []
     launch = kp.launcher(*kargs)
 
@@ -107,7 +108,7 @@ def _pass_graphs(kp, kargs, B, T, H, sms, knobs, capture_graph, profile=False):
     o = torch.empty(B, T, H, 128, dtype=q.dtype, device=q.device)
     ht = torch.empty(B, H, 128, 128, dtype=torch.float32, device=q.device)
     kp.run_two_kernel(recording, B, H, kp.record_slots(B, T, B), q.device, plan, o, ht, None, None,
-                      combine=kp._C.kda_combine, state_rs=knobs.get("state_rs", False))
+                      combine=kp._C.kda_combine, state_rs=state_rs)
     names = ["prep"] + (["maps"] if plan.segments > 1 else []) + ["pass 2"]
     # The graphs replay into these buffers (records, segment states, o): `calls` (and the combine's copy of seg_H)
     # go back with them, or the buffers would be freed and reused while the graphs still write them.

@@ -1,6 +1,6 @@
 """Nsight Compute on the KDA prefill's passes (H200): where the prep and state kernels' time goes.
 
-    python -m benchmarks.ncu_kda --out DIR [--shape 2 8192 64] [--regime random] [--state-rs]
+    python -m benchmarks.ncu_kda --out DIR [--shape 2 8192 64] [--regime random] [--old-state]
 
 Runs ``ncu`` over a child process that calls ``kda_prefill.run`` (the peers benchmark's inputs, FLA's layer flags)
 twice and profiles the second call's kernels whose names match ``--kernels``. Per kernel it prints the sections that
@@ -25,15 +25,15 @@ SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis",
             "WarpStateStats", "SchedulerStats", "Occupancy", "LaunchStats", "InstructionStats", "SourceCounters")
 
 
-def child(B: int, T: int, H: int, regime: str, state_rs: bool) -> None:
+def child(B: int, T: int, H: int, regime: str, old_state: bool) -> None:
     import torch
 
     from benchmarks.peers import kernel_args, make_inputs
     from benchmarks.registry import Shape
     from fla_cula.kernels import kda_prefill as kp
 
-    if state_rs:
-        kp.set_tuning(two_kernel=True, state_rs=True)
+    if old_state:
+        kp.set_tuning(two_kernel=True, state_rs=False)
     args = kernel_args(make_inputs(Shape(B, T, H, H), regime, torch.device("cuda")))
     with torch.inference_mode():
         for _ in range(2):  # the first call compiles / loads; ncu skips its launches (--launch-skip)
@@ -47,11 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", nargs=3, type=int, default=(2, 8192, 64), metavar=("B", "T", "H"))
     p.add_argument("--regime", choices=("random", "slow", "fast"), default="random")
     p.add_argument("--kernels", default="regex:kda_(prep|state|state_rs)_kernel")
-    p.add_argument("--state-rs", action="store_true", help="the state passes on kda_state_rs_kernel (set_tuning)")
+    p.add_argument("--old-state", action="store_true",
+                   help="the state passes on kda_state_kernel (set_tuning(state_rs=False)) instead of the default")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        child(*args.shape, args.regime, args.state_rs)
+        child(*args.shape, args.regime, args.old_state)
         return 0
     ncu = shutil.which("ncu") or next((c for c in ("/usr/local/cuda/bin/ncu", "/opt/nvidia/nsight-compute/ncu")
                                        if os.path.exists(c)), None)
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [ncu, "--kernel-name", args.kernels, "--launch-skip", "2", "--launch-count", "2", "--import-source", "yes",
            "-f", "-o", rep] + [a for s in SECTIONS for a in ("--section", s)]
     cmd += [sys.executable, "-m", "benchmarks.ncu_kda", "--child", "--out", args.out, "--shape",
-            *map(str, args.shape), "--regime", args.regime] + (["--state-rs"] if args.state_rs else [])
+            *map(str, args.shape), "--regime", args.regime] + (["--old-state"] if args.old_state else [])
     print(" ".join(cmd), flush=True)
     rc = subprocess.run(cmd).returncode
     if rc != 0:

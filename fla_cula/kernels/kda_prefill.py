@@ -53,9 +53,10 @@ _PARAM_DTYPES = (torch.float32, torch.bfloat16)
 # False: the same phases on mma.sync, kept for comparison. two_kernel: None = the cost model picks the fused kernel
 # or the two-kernel form (the latter only once TWO_KERNEL_VERIFIED); True / False forces it. segments: None = the
 # cost model's split of the two-kernel form; P >= 1 forces P segments (1: no split). state_rs: the two-kernel form's
-# state passes (maps, pass 2) on kda_state_rs_kernel (the state transposed in wgmma registers, docs/kda_sm90.md "v4");
-# off until it has been measured on the H200 (STATE_RS_VERIFIED).
-STATE_RS_VERIFIED = False
+# state passes (maps, pass 2) on kda_state_rs_kernel (the state transposed in wgmma registers, docs/kda_sm90.md "v4").
+# STATE_RS_VERIFIED: on by default since session 28 (an H100, commit 251353f: the strict KDA GPU suite, 242 passed,
+# with it forced on and with it the default; 4-16% faster than kda_state_kernel on every measured row).
+STATE_RS_VERIFIED = True
 _TUNING = {"block_v": None, "wgmma": True, "two_kernel": None, "segments": None, "state_rs": STATE_RS_VERIFIED}
 
 
@@ -225,13 +226,15 @@ STATE_SHARED = 1.42                        # a CTA's time per chunk with a secon
 STATE_WAVE_US = 12.0                       # a state CTA's start: its start state and first record
 MAPS_US_PER_CHUNK = 2.5             # block_v 128 without O: V' and the state update
 MAPS_WAVE_US = 14.0
-# kda_state_rs_kernel (state_rs; docs/kda_sm90.md "v4"): PREDICTED, not yet measured. A chunk takes the longer of its
-# chain and its bytes' share of DRAM bandwidth with every concurrent CTA streaming (pass 2: record 66 KB, v 16 KB and
-# o 16 KB; maps: ~45 KB, no Qg / Aqk / o); a wave's start is its first loads. Refit from kda_variants' per-pass times.
-RS_CHAIN_US = {"pass2": 1.5, "pass2_64": 0.9, "maps": 1.2}      # pass2_64: one warpgroup, 64 columns, per CTA
+# kda_state_rs_kernel (state_rs; docs/kda_sm90.md "v4"). A chunk takes the longer of its chain and its bytes' share
+# of DRAM bandwidth with every concurrent CTA streaming (pass 2: record 66 KB, v 16 KB and o 16 KB; maps: ~45 KB, no
+# Qg / Aqk / o); a wave's start is its first loads. Chain and wave start fitted to kda_variants' per-pass times on an
+# H100 (session 28, eleven pass-2 and five maps times, rms error 7%, bandwidth fitted there at 2.85 TB/s); the
+# bandwidth below is that fit scaled to the H200's peak (4.8 / 3.35 TB/s), not yet measured there.
+RS_CHAIN_US = {"pass2": 2.4, "pass2_64": 1.6, "maps": 1.6}      # pass2_64: one warpgroup, 64 columns, per CTA
 RS_BYTES = {"pass2": 98e3, "pass2_64": 49e3, "maps": 45e3}        # pass2_64: a pair's two CTAs share the record
 RS_DRAM_BYTES_PER_US = 4.0e6
-RS_WAVE_US = 3.0
+RS_WAVE_US = 13.0
 COMBINE_US = (7.5, 2.5)             # the combine kernel: fixed, and per serial segment step and wave of SMs
 COMBINE_CTAS_PER_PAIR = 16          # kda_combine_kernel: 8 of the 128 columns per CTA
 MAX_SEGMENTS = 16

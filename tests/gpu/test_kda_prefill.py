@@ -522,17 +522,18 @@ def test_two_kernel(c, bv, segments, strict_mode, fla_fns):
             assert ht1 is None or rel_rms(ht1, ht2) < 1e-3
 
 
-# kda_state_rs_kernel (set_tuning(state_rs=True)): the state passes (pass 2 and the split's maps) with the state
-# transposed in wgmma registers. Same operands, rounding points and k-block order as kda_state_kernel<128> (the CPU
-# emulation gives the same bits: tests/test_kda_prefill_compile.py test_state_rs_emulated_same_bits); on the GPU the
-# tensor cores may order a block's products differently in the other operand roles, so the bar is the fp64 / FLA one,
-# errors within 5% of the default state kernels' and o / final state within a few bf16 roundings of theirs.
+# kda_state_rs_kernel (state_rs, the default): the state passes (pass 2 and the split's maps) with the state
+# transposed in wgmma registers, against kda_state_kernel (state_rs=False). Same operands, rounding points and k-block
+# order as kda_state_kernel<128> (the CPU emulation gives the same bits: tests/test_kda_prefill_compile.py
+# test_state_rs_emulated_same_bits); on the GPU the tensor cores may order a block's products differently in the
+# other operand roles, so the bar is the fp64 / FLA one, errors within 5% of kda_state_kernel's and o / final state
+# within a few bf16 roundings of its.
 @pytest.mark.parametrize("segments", [1, 3])
 @pytest.mark.parametrize("bv", [64, 128])
 @pytest.mark.parametrize("c", _params(TWO_KERNEL_CASES, {"T65-B1-vfirst", "empty-mid-i64", "slow-varlen-H4-lb-5"}))
 def test_state_rs(c, bv, segments, strict_mode, fla_fns):
     knobs = dict(block_v=bv, two_kernel=True, segments=segments)
-    (o1, ht1, e1), (o2, ht2, e2) = _forward_pair(c, fla_fns, knobs, dict(knobs, state_rs=True))
+    (o1, ht1, e1), (o2, ht2, e2) = _forward_pair(c, fla_fns, dict(knobs, state_rs=False), dict(knobs, state_rs=True))
     same = torch.equal(o1, o2) and (ht1 is None or torch.equal(ht1, ht2))
     print(f"\n{describe(c)} block_v {bv} P={segments}: errors {e1} -> {e2}; bit-identical: {same}")
     for name in e1.keys() & {"o", "ht"}:
