@@ -645,7 +645,7 @@ inline void kda_emulated_wgmma(float (&acc)[N / 8][4], __nv_bfloat16 const* A, _
 std::barrier<>* g_wgbar[2];
 uint32_t g_ra[2][128][8][4];
 inline void kda_emulated_wg_barrier(int w) { g_wgbar[w]->arrive_and_wait(); }
-template <int N, int K, int BRows>
+template <int N, int K, int BRows, bool kBmn = false>
 inline void kda_emulated_wgmma_rs(float (&acc)[N / 8][4], uint32_t const (&a)[K / 16][4], __nv_bfloat16 const* B,
                                   bool accumulate) {
   int const w = threadIdx.x >> 7, t = threadIdx.x & 127;
@@ -662,20 +662,25 @@ inline void kda_emulated_wgmma_rs(float (&acc)[N / 8][4], uint32_t const (&a)[K 
       for (int e = 0; e < 4; ++e) {
         int r = 16 * wi + g + (e >> 1) * 8, col = nt * 8 + 2 * tq + (e & 1);
         double s = 0;
-        for (int k = 0; k < 16; ++k) s += aat(r, 16 * kb + k) * kda_emu_sw(B, BRows, col, 16 * kb + k);
+        for (int k = 0; k < 16; ++k) {
+          double const b = kBmn ? kda_emu_sw(B, 64, 16 * kb + k, col) : kda_emu_sw(B, BRows, col, 16 * kb + k);
+          s += aat(r, 16 * kb + k) * b;
+        }
         acc[nt][e] = (kb == 0 && !accumulate ? 0.f : acc[nt][e]) + float(s);
       }
   g_wgbar[w]->arrive_and_wait();
 }
-inline void kda_emulated_wgmma_mn(float (&acc)[8][4], __nv_bfloat16 const* A, __nv_bfloat16 const* B) {
+template <int N>
+inline void kda_emulated_wgmma_mn(float (&acc)[N / 8][4], __nv_bfloat16 const* A, __nv_bfloat16 const* B,
+                                  bool accumulate) {
   int const t = threadIdx.x & 127, wi = t >> 5, l = t & 31, g = l >> 2, tq = l & 3;
   for (int kb = 0; kb < 4; ++kb)
-    for (int nt = 0; nt < 8; ++nt)
+    for (int nt = 0; nt < N / 8; ++nt)
       for (int e = 0; e < 4; ++e) {
         int r = 16 * wi + g + (e >> 1) * 8, col = nt * 8 + 2 * tq + (e & 1);
         double s = 0;
-        for (int k = 0; k < 16; ++k) s += kda_emu_sw(A, 64, 16 * kb + k, r) * kda_emu_sw(B, 64, col, 16 * kb + k);
-        acc[nt][e] = (kb == 0 ? 0.f : acc[nt][e]) + float(s);
+        for (int k = 0; k < 16; ++k) s += kda_emu_sw(A, 64, 16 * kb + k, r) * kda_emu_sw(B, N, col, 16 * kb + k);
+        acc[nt][e] = (kb == 0 && !accumulate ? 0.f : acc[nt][e]) + float(s);
       }
 }
 

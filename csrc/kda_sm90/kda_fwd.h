@@ -80,8 +80,9 @@ struct KdaFwdParams {
 
 enum KdaPass : int { kKdaFused = 0, kKdaPrep = 1, kKdaState = 2 };
 // One record: -(X diag b) in order akkb [64][64], -W [64][128], Qg [64][128] (group A, read by V' and Qg S), then
-// Aqk [64][64], Kd^T [128][64] bf16 and gamma [128] fp32 (group B, read by Aqk V' and the state update); every tile in
-// its 128-byte-swizzled wgmma layout (sw128 / sw128k in kda_fwd_kernel.cuh).
+// Aqk [64][64], Kd [64][128] (token-major: the state update's MN-major operand) bf16 and gamma [128] fp32 (group B,
+// read by Aqk V' and the state update); every tile in its 128-byte-swizzled wgmma layout (sw128 / sw128k in
+// kda_fwd_kernel.cuh).
 constexpr int kKdaRecGroupA = (64 * 64 + 2 * 64 * 128) * 2;
 constexpr int kKdaRecBytes = kKdaRecGroupA + (64 * 64 + 128 * 64) * 2 + 128 * 4;
 

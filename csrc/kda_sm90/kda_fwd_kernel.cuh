@@ -168,9 +168,9 @@ struct StateStorage {
   struct {
     alignas(1024) bf16 t1[kC][kK];
   } u3;
-  alignas(1024) bf16 aqk[kC][kC];            // record group B: Aqk, Kd^T, gamma
+  alignas(1024) bf16 aqk[kC][kC];            // record group B: Aqk, Kd, gamma
   struct {
-    alignas(1024) bf16 KdT[kK][kC];
+    alignas(1024) bf16 Kd[kC][kK];           // token-major, sw128k: the MN-major A of Kd^T V'
   } t3;
   struct {
     alignas(1024) bf16 vpT[kBV][kC];         // bf16(V')^T
@@ -262,6 +262,29 @@ template <int N, size_t... I>
 __device__ __forceinline__ void fma(uint64_t da, uint64_t db, float* d, std::index_sequence<I...>) {
   Mma<N>::fma(da, db, d[I]..., cute::GMMA::ScaleOut::One);
 }
+
+// A MN-major, B K-major
+template <int N>
+using MmaMN = cute::conditional_t<
+    N == 128, cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<cute::GMMA::Major::MN, cute::GMMA::Major::K>,
+    cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::GMMA::Major::MN, cute::GMMA::Major::K>>;
+template <int N, size_t... I>
+__device__ __forceinline__ void fma_mn(uint64_t da, uint64_t db, float* d, cute::GMMA::ScaleOut s,
+                                       std::index_sequence<I...>) {
+  MmaMN<N>::fma(da, db, d[I]..., s);
+}
+// the descriptor of the first 16-row block of a [64 k][64 m] MN-major SW128 tile (element (m, k) at sw128(k, m));
+// block kb starts 16 rows x 128 B = 2048 B later (+128 in the descriptor's address units)
+__device__ __forceinline__ cute::GmmaDescriptor desc_mn(bf16 const* tile) {
+  using namespace cute;
+  auto layout = tile_to_shape(GMMA::Layout_MN_SW128_Atom<Bf>{}, Shape<_64, _64>{});
+  Tensor t = make_tensor(make_smem_ptr(reinterpret_cast<Bf const*>(tile)), layout);
+  return GMMA::make_gmma_desc<GMMA::Major::MN>(local_tile(t, Shape<_64, _16>{}, make_coord(0, 0)));
+}
+__device__ __forceinline__ uint64_t mn_kblock(cute::GmmaDescriptor d, int kb) {
+  d.reg32_[0] += 128 * kb;
+  return d.desc_;
+}
 }  // namespace wg
 #endif
 
@@ -294,6 +317,30 @@ __device__ __forceinline__ void wg_mma_tn(float (&acc)[N / 8][4], bf16 const* A,
 #endif
   (void)lane;
   (void)wi;
+}
+
+// acc += A[0:64, 0:64] B[0:N, 0:64]^T on the warpgroup, A an MN-major [64 k][64 m] sw128 tile (element (m, k) at
+// sw128(k, m)), B K-major as in wg_mma_tn. Returns with acc final.
+template <int N>
+__device__ __forceinline__ void wg_mma_mn(float (&acc)[N / 8][4], bf16 const* A, bf16 const* B) {
+#ifdef FLA_CULA_KDA_HOST_EMULATION
+  kda_emulated_wgmma_mn<N>(acc, A, B, true);
+#else
+  float* d = &acc[0][0];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) cute::warpgroup_fence_operand(d[i]);
+  cute::warpgroup_arrive();
+  cute::GmmaDescriptor const da = wg::desc_mn(A), db = wg::desc<N>(B);
+#pragma unroll
+  for (int kb = 0; kb < 4; ++kb) {
+    wg::fma_mn<N>(wg::mn_kblock(da, kb), wg::kblock(db, kb, N), d, cute::GMMA::ScaleOut::One,
+                  std::make_index_sequence<N / 2>{});
+  }
+  cute::warpgroup_commit_batch();
+  cute::warpgroup_wait<0>();
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) cute::warpgroup_fence_operand(d[i]);
+#endif
 }
 
 template <int NT>
@@ -370,11 +417,6 @@ __device__ __forceinline__ void store_pair(bf16* p, float a, float b) {
   *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
 }
 
-// 8-byte global store of two packed words (p 8-byte aligned)
-__device__ __forceinline__ void st_global8(bf16* p, uint32_t const (&w)[2]) {
-  *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
-}
-
 // (bf16(a), bf16(b)) packed, a in the low half
 __device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
   __nv_bfloat162 r = __floats2bfloat162_rn(a, b);
@@ -428,7 +470,7 @@ __device__ __forceinline__ void fence_async_shared() {
 
 // Byte offsets of a record's tiles (kda_fwd.h kKdaRecBytes): group A = [kRecAkkb, kKdaRecGroupA), group B the rest.
 constexpr int kRecAkkb = 0, kRecWn = kRecAkkb + kC * kC * 2, kRecQg = kRecWn + kC * kK * 2;
-constexpr int kRecAqk = kRecQg + kC * kK * 2, kRecKdT = kRecAqk + kC * kC * 2, kRecGamma = kRecKdT + kK * kC * 2;
+constexpr int kRecAqk = kRecQg + kC * kK * 2, kRecKd = kRecAqk + kC * kC * 2, kRecGamma = kRecKd + kC * kK * 2;
 static_assert(kRecAqk == kKdaRecGroupA && kRecGamma + kK * 4 == kKdaRecBytes, "record layout");
 
 // [bos, eos) of sequence n in the flattened token index (clamped: a malformed cu_seqlens never reads outside)
@@ -493,8 +535,8 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
     if constexpr (!kFusedTiles) __builtin_unreachable();
     else if constexpr (kWgmma) return (&sm.aqk[0][0])[sw128(i, j)]; else return sm.aqk[i][j];
   };
-  auto kdT_at = [&](int d, int i) -> bf16& {
-    if constexpr (!kFusedTiles) __builtin_unreachable();
+  auto kdT_at = [&](int d, int i) -> bf16& {  // the fused kernel's own (the record holds Kd token-major)
+    if constexpr (kPass != kKdaFused) __builtin_unreachable();
     else if constexpr (kWgmma) return (&sm.t3.KdT[0][0])[sw128(d, i)]; else return sm.t3.KdT[d][i];
   };
   auto vpT_at = [&](int c, int i) -> bf16& {
@@ -852,8 +894,8 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       if (b < kRecWn) return reinterpret_cast<unsigned char*>(&sm.akkb[0][0]) + b;
       if (b < kRecQg) return reinterpret_cast<unsigned char*>(&sm.u2.Wn[0][0]) + (b - kRecWn);
       if (b < kRecAqk) return reinterpret_cast<unsigned char*>(&sm.u3.t1[0][0]) + (b - kRecQg);
-      if (b < kRecKdT) return reinterpret_cast<unsigned char*>(&sm.aqk[0][0]) + (b - kRecAqk);
-      if (b < kRecGamma) return reinterpret_cast<unsigned char*>(&sm.t3.KdT[0][0]) + (b - kRecKdT);
+      if (b < kRecKd) return reinterpret_cast<unsigned char*>(&sm.aqk[0][0]) + (b - kRecAqk);
+      if (b < kRecGamma) return reinterpret_cast<unsigned char*>(&sm.t3) + (b - kRecKd);
       return reinterpret_cast<unsigned char*>(&sm.gamma[0]) + (b - kRecGamma);
     }
   };
@@ -873,7 +915,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   };
   // bytes [b0, b1) of chunk c's record by cp.async, one commit group. Group A (phase 7's operands): akkb, -W and,
   // with o, Qg; group B (phase 8's): with o, Aqk; Kd^T, gamma
-  int const rec_a_end = with_o ? kKdaRecGroupA : kRecQg, rec_b_begin = with_o ? kRecAqk : kRecKdT;
+  int const rec_a_end = with_o ? kKdaRecGroupA : kRecQg, rec_b_begin = with_o ? kRecAqk : kRecKd;
   auto issue_record = [&](int c, int b0, int b1) {
     unsigned char const* const src = record(c);
     for (int b = b0 + 16 * tid; b < b1; b += 16 * kThreads) cp_async16(rec_smem(b), src + b, true);
@@ -958,7 +1000,9 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
         S[nt][2] *= gm1;
         S[nt][3] *= gm1;
       }
-      if constexpr (kWgmma) {
+      if constexpr (kPass == kKdaState) {  // Kd from the record, token-major: warpgroup j's 64 channels are atom j
+        wg_mma_mn<kBV>(S, &sm.t3.Kd[0][0] + (warp >> 2) * kC * 64, &sm.u4.vpT[0][0]);
+      } else if constexpr (kWgmma) {
         wg_mma_tn<kBV>(S, &sm.t3.KdT[0][0] + (warp >> 2) * 64 * kC, &sm.u4.vpT[0][0], lane, warp & 3);
       } else {
         warp_mma_tn<kNS, kC>(S, &sm.t3.KdT[warp * 16][0], kLdC, &sm.u4.vpT[0][0], kLdC, lane);
@@ -1134,20 +1178,18 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       if constexpr (kPass == kKdaPrep) {
         // Thread = (16-row block r, channel pair d) of phase 2, G in its registers: every factor of its 16 x 2
         // elements, with the expressions of the fused kernel's phases 3 and 5a (same bits). Qe, Ke, Kf to shared
-        // memory; Qg and Kd^T straight to the record (sw128k / sw128 images); Kg^T kept until Ke is dead. A warp's
-        // Qg pairs fill one 128-byte row; Kd^T rows d, d + 1 go out as 8-byte units of 4 tokens (contiguous in
-        // sw128), not as 4-byte pairs in 32 rows at once (16-byte units spill at the 128-register cap).
+        // memory; Qg and Kd straight to the record (token-major sw128k images: a warp's 32 channel pairs of a token
+        // fill one 128-byte row); Kg^T kept until Ke is dead.
         int const r = tid >> 6, d = 2 * (tid & 63);
         unsigned char* const rc = record(chunk);
         bf16* const rec_qg = reinterpret_cast<bf16*>(rc + kRecQg);
-        bf16* const rec_kdT = reinterpret_cast<bf16*>(rc + kRecKdT);
+        bf16* const rec_kd = reinterpret_cast<bf16*>(rc + kRecKd);
         int const ia0 = sm.anc_a[r][d], ia1 = sm.anc_a[r][d + 1];
         float const a0 = float(ia0), a1 = float(ia1);
         uint32_t const pb0 = pow2i_bf16(ia0), pb1 = pow2i_bf16(ia1);  // 2^A_r as bf16 pairs
         uint32_t const pa01 = pb0 | pb1 << 16, pa00 = pb0 | pb0 << 16, pa11 = pb1 | pb1 << 16;
         float const b0 = float(sm.anc_b[r][d]), b1 = float(sm.anc_b[r][d + 1]);
         float const hb0 = ex2(sm.g63[d] - b0), hb1 = ex2(sm.g63[d + 1] - b1);  // 2^(G_63 - B_r)
-        uint32_t kd[2][2];  // Kd^T rows d, d + 1: two token pairs (8 bytes of a row)
 #pragma unroll
         for (int u = 0; u < kBC; u += 2) {
           int const i = kBC * r + u;
@@ -1172,12 +1214,8 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
           st_word(rec_qg + sw128k<kC>(i + 1, d), scale_pair(qe1, pa01));
           kg[0][u / 2] = scale_pair(lo_halves(ke0, ke1), pa00);
           kg[1][u / 2] = scale_pair(hi_halves(ke0, ke1), pa11);
-          kd[0][(u >> 1) & 1] = pack_bf16(k0.x * sk0 * (fb00 * hb0), k1.x * sk1 * (fb10 * hb0));
-          kd[1][(u >> 1) & 1] = pack_bf16(k0.y * sk0 * (fb01 * hb1), k1.y * sk1 * (fb11 * hb1));
-          if ((u & 3) == 2) {  // tokens kBC r + (u & 12) .. + 3 of rows d, d + 1
-            st_global8(rec_kdT + sw128(d, kBC * r + (u & 12)), kd[0]);
-            st_global8(rec_kdT + sw128(d + 1, kBC * r + (u & 12)), kd[1]);
-          }
+          st_word(rec_kd + sw128k<kC>(i, d), pack_bf16(k0.x * sk0 * (fb00 * hb0), k0.y * sk0 * (fb01 * hb1)));
+          st_word(rec_kd + sw128k<kC>(i + 1, d), pack_bf16(k1.x * sk1 * (fb10 * hb0), k1.y * sk1 * (fb11 * hb1)));
         }
       } else {
         for (int idx = tid; idx < kC * (kK / 2); idx += kThreads) {

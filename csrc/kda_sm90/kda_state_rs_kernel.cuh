@@ -3,7 +3,7 @@
 // prep's records.
 //
 // Per (sequence n, value head hv) and chunk of 64 tokens, with the record's tiles (akkb = X diag(b), -W, Qg, Aqk,
-// Kd^T, gamma) and v of the chunk, the state S (128 channels x 128 columns, fp32) is kept as S^T:
+// Kd, gamma) and v of the chunk, the state S (128 channels x 128 columns, fp32) is kept as S^T:
 //   V'^T = v^T akkb^T + bf16(S^T) (-W)^T            (64 columns x 64 tokens per warpgroup)
 //   O^T  = bf16(S^T) Qg^T + bf16(V'^T) Aqk^T        (o rows < the chunk's length are stored)
 //   S^T  = S^T diag(gamma) + bf16(V'^T) Kd
@@ -11,7 +11,8 @@
 // under the chunk's K-side operators, so two warpgroups share the record and never wait for each other's products.
 // S^T and V'^T are wgmma accumulators whose 16-column blocks are also the A fragments of the next product (fp32
 // packed to bf16 in registers), so the serial chain S -> V' -> S has no shared-memory round trip; every B operand is
-// a record tile as the prep wrote it (K-major, 128-byte swizzled), and v^T is read as an MN-major A from v's own rows.
+// a record tile as the prep wrote it (128-byte swizzled; K-major, Kd token-major as an MN-major B), and v^T is read
+// as an MN-major A from v's own rows.
 // The rounding points and the order of every sum are those of kda_state_kernel (bf16(S), bf16(V'), fp32
 // accumulation over 16-channel blocks in order), so the CPU emulation gives the same bits as that kernel's.
 //
@@ -40,7 +41,7 @@ template <int kBV>
 constexpr int kStateRsSmemBytes = int(sizeof(StateRsStorage<kBV / 64>));
 static_assert(kStateRsSmemBytes<128> <= 227 * 1024, "shared memory over the SM90 opt-in maximum");
 static_assert(kRecAkkb % 1024 == 0 && kRecWn % 1024 == 0 && kRecQg % 1024 == 0 && kRecAqk % 1024 == 0 &&
-                  kRecKdT % 1024 == 0 && kRecGamma % 16 == 0,
+                  kRecKd % 1024 == 0 && kRecGamma % 16 == 0,
               "record tiles at 1024-byte offsets: the swizzle is a function of the shared-memory address");
 
 #ifndef FLA_CULA_KDA_HOST_EMULATION
@@ -49,7 +50,8 @@ template <int N>
 using MmaRS = cute::conditional_t<
     N == 128, cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_RS<cute::GMMA::Major::K, cute::GMMA::Major::K>,
     cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<cute::GMMA::Major::K, cute::GMMA::Major::K>>;
-using MmaMN = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::GMMA::Major::MN, cute::GMMA::Major::K>;
+// B MN-major (Kd, token-major)
+using MmaRSmn = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<cute::GMMA::Major::K, cute::GMMA::Major::MN>;
 
 template <int N, size_t... I>
 __device__ __forceinline__ void fma_rs(uint32_t const (&a)[4], uint64_t db, float* d, cute::GMMA::ScaleOut s,
@@ -57,17 +59,9 @@ __device__ __forceinline__ void fma_rs(uint32_t const (&a)[4], uint64_t db, floa
   MmaRS<N>::fma(a[0], a[1], a[2], a[3], db, d[I]..., s);
 }
 template <size_t... I>
-__device__ __forceinline__ void fma_mn(uint64_t da, uint64_t db, float* d, cute::GMMA::ScaleOut s,
-                                       std::index_sequence<I...>) {
-  MmaMN::fma(da, db, d[I]..., s);
-}
-// the descriptor of the first 16-row block of a [64 k][64 m] MN-major SW128 tile (element (m, k) at sw128(k, m));
-// block kb starts 16 rows x 128 B = 2048 B later (+128 in the descriptor's address units)
-__device__ __forceinline__ cute::GmmaDescriptor desc_mn(bf16 const* tile) {
-  using namespace cute;
-  auto layout = tile_to_shape(GMMA::Layout_MN_SW128_Atom<Bf>{}, Shape<_64, _64>{});
-  Tensor t = make_tensor(make_smem_ptr(reinterpret_cast<Bf const*>(tile)), layout);
-  return GMMA::make_gmma_desc<GMMA::Major::MN>(local_tile(t, Shape<_64, _16>{}, make_coord(0, 0)));
+__device__ __forceinline__ void fma_rs_mn(uint32_t const (&a)[4], uint64_t db, float* d, cute::GMMA::ScaleOut s,
+                                          std::index_sequence<I...>) {
+  MmaRSmn::fma(a[0], a[1], a[2], a[3], db, d[I]..., s);
 }
 }  // namespace wg
 #endif
@@ -103,19 +97,35 @@ __device__ __forceinline__ void wg_rs(float (&acc)[N / 8][4], uint32_t const (&a
 #endif
 }
 
+// acc += A[0:64, 0:64] B[0:128, 0:64]^T, A from registers as in wg_rs, B an MN-major [64 k][128 n] image: two
+// [64 k][64 n] sw128 atoms 8 KB apart (element (n, k) at sw128(k, n % 64) of atom n / 64), one m64n64k16 per atom and
+// k-block (accumulator columns 0-63, then 64-127). Issued only.
+__device__ __forceinline__ void wg_rs_mn(float (&acc)[16][4], uint32_t const (&a)[4][4], bf16 const* B) {
+#ifdef FLA_CULA_KDA_HOST_EMULATION
+  kda_emulated_wgmma_rs<128, 64, 64, true>(acc, a, B, true);
+#else
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    cute::GmmaDescriptor const db = wg::desc_mn(B + h * 64 * 64);
+#pragma unroll
+    for (int kb = 0; kb < 4; ++kb) {
+      wg::fma_rs_mn(a[kb], wg::mn_kblock(db, kb), &acc[8 * h][0], cute::GMMA::ScaleOut::One,
+                    std::make_index_sequence<32>{});
+    }
+  }
+#endif
+}
+
 // acc = A[0:64, 0:64] B[0:64, 0:64]^T, A an MN-major [64 k][64 m] sw128 tile, B a K-major sw128 tile. Issued only.
 __device__ __forceinline__ void wg_mn(float (&acc)[8][4], bf16 const* A, bf16 const* B) {
 #ifdef FLA_CULA_KDA_HOST_EMULATION
-  kda_emulated_wgmma_mn(acc, A, B);
+  kda_emulated_wgmma_mn<64>(acc, A, B, false);
 #else
   cute::GmmaDescriptor const da = wg::desc_mn(A), db = wg::desc<64>(B);
 #pragma unroll
   for (int kb = 0; kb < 4; ++kb) {
-    cute::GmmaDescriptor a = da;
-    a.reg32_[0] += 128 * kb;
-    wg::fma_mn(a.desc_, wg::kblock(db, kb, 64), &acc[0][0],
-               kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
-               std::make_index_sequence<32>{});
+    wg::fma_mn<64>(wg::mn_kblock(da, kb), wg::kblock(db, kb, 64), &acc[0][0],
+                   kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One, std::make_index_sequence<32>{});
   }
 #endif
 }
@@ -206,7 +216,7 @@ __global__ void __launch_bounds__(kBV * 2, 1) kda_state_rs_kernel(__grid_constan
     };
     if constexpr (kMaps) {
       copy(mmap ? kRecWn : kRecAkkb, kRecQg);
-      copy(kRecKdT, kKdaRecBytes);
+      copy(kRecKd, kKdaRecBytes);
     } else {
       copy(0, kKdaRecBytes);
     }
@@ -293,7 +303,7 @@ __global__ void __launch_bounds__(kBV * 2, 1) kda_state_rs_kernel(__grid_constan
     fence_regs(aV);
     if constexpr (!kMaps) fence_regs(oa);
     wg_arrive();
-    wg_rs<128, 64>(S, aV, tile(kRecKdT), true);
+    wg_rs_mn(S, aV, tile(kRecKd));
     if constexpr (!kMaps) {
       wg_rs<64, 128, 64>(oa, aS, tile(kRecQg), false);
       wg_rs<64, 64>(oa, aV, tile(kRecAqk), true);

@@ -209,8 +209,10 @@ def predicted_us(lens: list[int], HV: int, sms: int) -> tuple[float, float]:
 # the combine kernel chains them in order, pass 2 runs every segment from its true start state and writes o.
 # The constants below are fitted to each pass replayed alone on the H200 (session 21, commit e03e5e9: six rows, P 1 to
 # 8; docs/kda_sm90.md "Session 21"); with them the model predicts the six measured two-kernel rows within 6%.
-# A prep CTA runs 4 chunks; two share an SM (18.25 us per chunk each, 32K cycles; 12 us alone); the whole launch
-# pays a one-time 17 us (the first loads), not one per wave. The state passes pay ~12-14 us per wave (start state,
+# A prep CTA runs 4 chunks; two share an SM (v3.5: 14.8 us per chunk each, fitted on an H100 in session 29 to the
+# prep pass of B2 T8192 H64; the model is then 7% over B8 T4096 H64's and 3% over 64 x 256 H32's, counting whole
+# waves; alone: v3.4's 12 scaled by the same 0.81, not measured); the whole launch pays a one-time 17 us (the first
+# loads), not one per wave. The state passes pay ~12-14 us per wave (start state,
 # first record). Back-to-back launches in a graph overlap their edges: no per-launch term.
 # TWO_KERNEL_VERIFIED: the form passed its GPU tests on the H200 at e03e5e9 (strict, NaN-poisoned: the two-kernel,
 # split, combine, intermediate-state, graph-replay and grad cases, 85 passed).
@@ -218,7 +220,7 @@ TWO_KERNEL_VERIFIED = True
 REC_BYTES = int(_C.KDA_REC_BYTES)
 PREP_CHUNKS = 4                     # chunks per prep CTA: the next chunk's loads overlap the current one's phases
 PREP_CTAS_PER_SM = 2                # PrepStorage: 109 KB of shared memory, 128 registers
-PREP_US_PER_CHUNK = (12.0, 18.25)   # per chunk per CTA, alone / two per SM
+PREP_US_PER_CHUNK = (9.7, 14.8)     # per chunk per CTA, alone / two per SM
 PREP_START_US = 17.0                # once per launch
 STATE_US_PER_CHUNK = {64: 3.3, 128: 4.39}  # pass 2 alone per chunk
 STATE_CTAS_PER_SM = {64: 2, 128: 1}        # StateStorage: 97 / 129 KB of shared memory
