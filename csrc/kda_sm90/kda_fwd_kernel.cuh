@@ -115,7 +115,7 @@ struct SharedStorage {
 };
 
 // The prep kernel's layout (kda_prep_kernel; docs/kda_sm90.md "Lean prep"): no state tiles, no G tile (G stays in
-// the registers of the phase-2 thread, which forms every factor in phase 3), and Qg, Kd^T, Aqk go to the record
+// the registers of the phase-2 thread, which forms every factor in phase 3), and Qg, Kd, Aqk go to the record
 // straight from registers (-W through Kf's storage, dead by then). Under 113 KB: two CTAs per SM. Tiles that die
 // early share storage, as in SharedStorage.
 struct PrepStorage {
@@ -899,7 +899,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       return reinterpret_cast<unsigned char*>(&sm.gamma[0]) + (b - kRecGamma);
     }
   };
-  // kPrep: akkb, -W (staged) and gamma from shared memory in 16-byte pieces (Qg, Kd^T, Aqk went from registers)
+  // kPrep: akkb, -W (staged) and gamma from shared memory in 16-byte pieces (Qg, Kd, Aqk went from registers)
   auto write_record = [&](int c) {
     unsigned char* const dst = record(c);
     constexpr int kAkkb = (kRecWn - kRecAkkb) / 16, kWn = (kRecQg - kRecWn) / 16;
@@ -914,7 +914,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
     }
   };
   // bytes [b0, b1) of chunk c's record by cp.async, one commit group. Group A (phase 7's operands): akkb, -W and,
-  // with o, Qg; group B (phase 8's): with o, Aqk; Kd^T, gamma
+  // with o, Qg; group B (phase 8's): with o, Aqk; Kd, gamma
   int const rec_a_end = with_o ? kKdaRecGroupA : kRecQg, rec_b_begin = with_o ? kRecAqk : kRecKd;
   auto issue_record = [&](int c, int b0, int b1) {
     unsigned char const* const src = record(c);
@@ -1548,7 +1548,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       mark(6);
 
       if constexpr (kPass == kKdaPrep) {
-        write_record(chunk);  // akkb, -W (staged in Kf's storage) and gamma; Qg, Kd^T, Aqk went from registers
+        write_record(chunk);  // akkb, -W (staged in Kf's storage) and gamma; Qg, Kd, Aqk went from registers
         if (prefetch) {
           load_vb(chunk + 1);
           store_vb();  // beta last read in phase 5 (barriers between)

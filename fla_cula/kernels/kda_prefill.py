@@ -212,8 +212,8 @@ def predicted_us(lens: list[int], HV: int, sms: int) -> tuple[float, float]:
 # A prep CTA runs 4 chunks; two share an SM (v3.5: 14.8 us per chunk each, fitted on an H100 in session 29 to the
 # prep pass of B2 T8192 H64; the model is then 7% over B8 T4096 H64's and 3% over 64 x 256 H32's, counting whole
 # waves; alone: v3.4's 12 scaled by the same 0.81, not measured); the whole launch pays a one-time 17 us (the first
-# loads), not one per wave. The state passes pay ~12-14 us per wave (start state,
-# first record). Back-to-back launches in a graph overlap their edges: no per-launch term.
+# loads), not one per wave. The state passes pay ~12-14 us per wave (start state, first record). Back-to-back
+# launches in a graph overlap their edges: no per-launch term.
 # TWO_KERNEL_VERIFIED: the form passed its GPU tests on the H200 at e03e5e9 (strict, NaN-poisoned: the two-kernel,
 # split, combine, intermediate-state, graph-replay and grad cases, 85 passed).
 TWO_KERNEL_VERIFIED = True
