@@ -23,6 +23,10 @@
 #   ablight  the lightning job's tests on /tmp/ab_new
 #   ab       benchmarks.$AB_BENCH (kda_variants unless set; AB_ARGS) in this tree and in /tmp/ab_new, alternating,
 #            AB_ROUNDS times each
+#   abbuilds this tree and one copy per patch of AB_PATCHES (space-separated) in /tmp/ab_1, /tmp/ab_2, ..., all built
+#            side by side (one job; logs OUT/build.log, OUT/abbuild_<i>.log)
+#   abkdas   the kda job's tests on each /tmp/ab_<i> in turn
+#   abn      benchmarks.$AB_BENCH in this tree and in each /tmp/ab_<i>, in turn, AB_ROUNDS rounds
 # A short table of each job's status and time is printed last.
 set -u
 OUT="${1:?usage: scripts/device_jobs.sh OUT JOB...}"; shift
@@ -51,15 +55,44 @@ light_tests() {
     -q -rfE -p no:cacheprovider $XDIST $LIGHT_ARGS"
 }
 
-# /tmp/ab_new: a copy of this tree (without .gpu/ and build/) with the patch AB_PATCH applied
-ab_tree() {
-  local patch_file
-  patch_file="$(cd "$(dirname "${AB_PATCH:?AB_PATCH}")" && pwd)/$(basename "$AB_PATCH")"
+# DIR: a copy of this tree (without .gpu/ and build/) with the patch PATCH applied
+ab_tree_at() {
+  local dir=$1 patch_file
+  patch_file="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"
   # the same patch already applied (an earlier job of this machine): keep the tree and its build
-  [[ -f /tmp/ab_new/.ab_patch ]] && cmp -s /tmp/ab_new/.ab_patch "$patch_file" && return 0
-  rm -rf /tmp/ab_new && mkdir -p /tmp/ab_new && tar cf - --exclude=./.gpu --exclude=./build . | tar xf - -C /tmp/ab_new \
-    && (cd /tmp/ab_new && patch -p1 -s < "$patch_file" && rm -f fla_cula/_C*.so && cp "$patch_file" .ab_patch) \
-    || { echo "ab_tree: copy or patch failed"; SUMMARY+=("ab_tree   FAIL"); return 1; }
+  [[ -f $dir/.ab_patch ]] && cmp -s "$dir/.ab_patch" "$patch_file" && return 0
+  rm -rf "$dir" && mkdir -p "$dir" && tar cf - --exclude=./.gpu --exclude=./build . | tar xf - -C "$dir" \
+    && (cd "$dir" && patch -p1 -s < "$patch_file" && rm -f fla_cula/_C*.so && cp "$patch_file" .ab_patch \
+        && basename "$patch_file" > .ab_patch_name) \
+    || { echo "ab_tree: copy or patch failed ($dir, $2)"; SUMMARY+=("ab_tree   FAIL"); return 1; }
+}
+# /tmp/ab_new with the patch AB_PATCH; /tmp/ab_<i> with patch i of AB_PATCHES
+ab_tree() { ab_tree_at /tmp/ab_new "${AB_PATCH:?AB_PATCH}"; }
+ab_trees() {
+  local i=0 p
+  for p in ${AB_PATCHES:?AB_PATCHES}; do i=$((i + 1)); ab_tree_at "/tmp/ab_$i" "$p" || return 1; done
+}
+ab_dirs() { local i=0 p; for p in ${AB_PATCHES:?AB_PATCHES}; do i=$((i + 1)); echo "/tmp/ab_$i"; done; }
+# this tree and every /tmp/ab_<i> built side by side; fails when any build fails
+abbuilds_run() {
+  python setup.py build_ext --inplace > "$OUT/build.log" 2>&1 &
+  local i=0 d pid rc=0
+  for d in $(ab_dirs); do
+    i=$((i + 1))
+    (cd "$d" && python setup.py build_ext --inplace) > "$OUT/abbuild_$i.log" 2>&1 &
+  done
+  for pid in $(jobs -p); do wait "$pid" || rc=1; done
+  return $rc
+}
+# benchmarks.$AB_BENCH in this tree and in each /tmp/ab_<i> in turn (the patch named in each header), AB_ROUNDS rounds
+abn() {
+  local r t
+  for r in $(seq "${AB_ROUNDS:-2}"); do
+    for t in "$PWD" $(ab_dirs); do
+      echo "## round $r: $t $(cat "$t/.ab_patch_name" 2>/dev/null)"
+      (cd "$t" && PYTHONPATH="$t:$PYTHONPATH" python -m benchmarks.${AB_BENCH:-kda_variants} ${AB_ARGS:-}) || return 1
+    done
+  done
 }
 
 job() {  # job NAME LIMIT CMD...: output to OUT/NAME.log, the last lines echoed
@@ -112,8 +145,15 @@ for j in "$@"; do
       [[ ${SUMMARY[-1]} == *" ok "* ]] || rm -rf build fla_cula/_C*.so /tmp/ab_new/build /tmp/ab_new/fla_cula/_C*.so ;;
     abkda)
       job abkda "${T_KDA:-400}" bash -c "$(declare -f kda_tests); kda_tests /tmp/ab_new" ;;
-    ablight)
-      ab_tree && job ablight "${T_LIGHT:-400}" bash -c "$(declare -f light_tests); light_tests /tmp/ab_new" ;;
+    abbuilds)
+      ab_trees && job abbuilds "${T_BUILD:-300}" bash -c "$(declare -f abbuilds_run ab_dirs); OUT='$OUT' abbuilds_run"
+      [[ ${SUMMARY[-1]} == *" ok "* ]] || rm -rf build fla_cula/_C*.so /tmp/ab_[0-9]*/build /tmp/ab_[0-9]*/fla_cula/_C*.so ;;
+    abkdas)
+      for d in $(ab_dirs); do
+        job "abkda_${d##*_}" "${T_KDA:-400}" bash -c "$(declare -f kda_tests); kda_tests $d"
+      done ;;
+    abn)
+      TAIL=${TAIL:-60} job abn "${T_AB:-500}" bash -c "$(declare -f abn ab_dirs); abn" ;;
     ab)
       ab() {
         for r in $(seq "${AB_ROUNDS:-2}"); do
