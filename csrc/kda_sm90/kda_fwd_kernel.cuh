@@ -319,23 +319,34 @@ __device__ __forceinline__ void wg_mma_tn(float (&acc)[N / 8][4], bf16 const* A,
   (void)wi;
 }
 
-// acc += A[0:64, 0:64] B[0:N, 0:64]^T on the warpgroup, A an MN-major [64 k][64 m] sw128 tile (element (m, k) at
-// sw128(k, m)), B K-major as in wg_mma_tn. Returns with acc final.
+// acc (accumulate ? += : =) A[0:64, 0:64] B[0:N, 0:64]^T on the warpgroup, A an MN-major [64 k][64 m] sw128 tile
+// (element (m, k) at sw128(k, m)), B K-major as in wg_mma_tn. Issued only: the caller fences, commits and waits.
+template <int N>
+__device__ __forceinline__ void wg_mn_issue(float (&acc)[N / 8][4], bf16 const* A, bf16 const* B, bool accumulate) {
+#ifdef FLA_CULA_KDA_HOST_EMULATION
+  kda_emulated_wgmma_mn<N>(acc, A, B, accumulate);
+#else
+  cute::GmmaDescriptor const da = wg::desc_mn(A), db = wg::desc<N>(B);
+#pragma unroll
+  for (int kb = 0; kb < 4; ++kb) {
+    wg::fma_mn<N>(wg::mn_kblock(da, kb), wg::kblock(db, kb, N), &acc[0][0],
+                  kb == 0 && !accumulate ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
+                  std::make_index_sequence<N / 2>{});
+  }
+#endif
+}
+
+// acc += A B^T as wg_mn_issue, fenced, committed and waited for: returns with acc final.
 template <int N>
 __device__ __forceinline__ void wg_mma_mn(float (&acc)[N / 8][4], bf16 const* A, bf16 const* B) {
-#ifdef FLA_CULA_KDA_HOST_EMULATION
-  kda_emulated_wgmma_mn<N>(acc, A, B, true);
-#else
+#ifndef FLA_CULA_KDA_HOST_EMULATION
   float* d = &acc[0][0];
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) cute::warpgroup_fence_operand(d[i]);
   cute::warpgroup_arrive();
-  cute::GmmaDescriptor const da = wg::desc_mn(A), db = wg::desc<N>(B);
-#pragma unroll
-  for (int kb = 0; kb < 4; ++kb) {
-    wg::fma_mn<N>(wg::mn_kblock(da, kb), wg::kblock(db, kb, N), d, cute::GMMA::ScaleOut::One,
-                  std::make_index_sequence<N / 2>{});
-  }
+#endif
+  wg_mn_issue<N>(acc, A, B, true);
+#ifndef FLA_CULA_KDA_HOST_EMULATION
   cute::warpgroup_commit_batch();
   cute::warpgroup_wait<0>();
 #pragma unroll

@@ -116,20 +116,6 @@ __device__ __forceinline__ void wg_rs_mn(float (&acc)[16][4], uint32_t const (&a
 #endif
 }
 
-// acc = A[0:64, 0:64] B[0:64, 0:64]^T, A an MN-major [64 k][64 m] sw128 tile, B a K-major sw128 tile. Issued only.
-__device__ __forceinline__ void wg_mn(float (&acc)[8][4], bf16 const* A, bf16 const* B) {
-#ifdef FLA_CULA_KDA_HOST_EMULATION
-  kda_emulated_wgmma_mn<64>(acc, A, B, false);
-#else
-  cute::GmmaDescriptor const da = wg::desc_mn(A), db = wg::desc<64>(B);
-#pragma unroll
-  for (int kb = 0; kb < 4; ++kb) {
-    wg::fma_mn<64>(wg::mn_kblock(da, kb), wg::kblock(db, kb, 64), &acc[0][0],
-                   kb == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One, std::make_index_sequence<32>{});
-  }
-#endif
-}
-
 __device__ __forceinline__ void wg_arrive() {
 #ifndef FLA_CULA_KDA_HOST_EMULATION
   cute::warpgroup_arrive();
@@ -280,7 +266,7 @@ __global__ void __launch_bounds__(kBV * 2, 1) kda_state_rs_kernel(__grid_constan
       wg_commit_wait();
     } else {
       wg_arrive();
-      wg_mn(vp, &sm.st[s].v[w][0][0], tile(kRecAkkb));
+      wg_mn_issue<64>(vp, &sm.st[s].v[w][0][0], tile(kRecAkkb), false);
       wg_rs<64, 128, 64>(vp, aS, tile(kRecWn), true);
       wg_commit_wait();
     }
