@@ -35,6 +35,8 @@ REQUIRED_SASS: dict[str, list[str]] = {
     r"kda_state_rs_kernel": ["HGMMA", "LDGSTS"],
     r"kda_state_rs_kernel<false,": ["STSM"],
     r"kda_combine_kernel": ["LDGSTS"],  # the split's combine: fp32 FMAs on CUDA cores, the maps by cp.async
+    # the backward's chunk-local gradients: mma.sync fed by ldmatrix (.trans for the transposed operands), cp.async
+    r"kda_bwd_wy_kernel": ["HMMA", "LDSM", "LDGSTS"],
 }
 ARCH = "sm_90a"
 

@@ -1,5 +1,5 @@
-// Python binding of the fused KDA prefill forward: tensors in (DLPack), checks, KdaFwdParams, launch on
-// the caller's current stream of q's device. Every check reads metadata only and runs before any CUDA
+// Python binding of the KDA prefill kernels (the fused forward, its combine, the backward's kda_bwd_wy): tensors
+// in (DLPack), checks, the kernel's Params, launch on the caller's current stream of q's device. Every check reads metadata only and runs before any CUDA
 // call, so the errors are the same (and testable) on a machine without a GPU.
 #include <pybind11/pybind11.h>
 
@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/dlpack_tensor.h"
+#include "kda_sm90/kda_bwd.h"
 #include "kda_sm90/kda_fwd.h"
 
 namespace fla_cula {
@@ -340,9 +341,131 @@ void kda_combine_api(py::handle seg_H_obj, py::handle seg_M_obj) {
   run_kda_combine(p);
 }
 
+
+void kda_bwd_wy_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handle v_new_obj, py::handle g_obj,
+                    py::handle beta_obj, py::handle A_obj, py::handle h_obj, py::handle do_obj, py::handle dh_obj,
+                    py::handle dv_obj, py::handle dq_obj, py::handle dk_obj, py::handle dv2_obj, py::handle dg_obj,
+                    py::handle db_obj, py::handle dA_obj, double scale, bool state_v_first, py::handle cu_obj,
+                    py::handle chunk_indices_obj) {
+  TensorArg q = tensor_arg(q_obj, "q");
+  expect_dtype(q, {dtype::kBFloat16});
+  expect_ndim(q, 4);
+  int64_t const B = q.size(0), T = q.size(1), H = q.size(2);
+  if (q.size(3) != kHeadDim) throw py::value_error("q: expected head dim 128, got shape " + q.shape_str());
+  expect_contiguous(q);
+  expect_aligned(q, 16);
+  expect_cuda(q);
+  TensorArg k = tensor_arg(k_obj, "k");
+  expect_tensor(k, {dtype::kBFloat16}, {B, T, H, kHeadDim}, "(B, T, H, 128) as q", &q, 16);
+  TensorArg v = tensor_arg(v_obj, "v");
+  expect_dtype(v, {dtype::kBFloat16});
+  expect_ndim(v, 4);
+  int64_t const HV = v.size(2);
+  if (v.size(0) != B || v.size(1) != T || v.size(3) != kHeadDim || HV < 1 || HV % H != 0) {
+    throw py::value_error("v: expected shape (B, T, HV, 128) = (" + std::to_string(B) + ", " + std::to_string(T) +
+                          ", HV, 128) with HV a multiple of H = " + std::to_string(H) + ", got " + v.shape_str());
+  }
+  expect_contiguous(v);
+  expect_aligned(v, 16);
+  expect_same_device(v, q);
+  std::initializer_list<int64_t> const vs = {B, T, HV, kHeadDim};
+  TensorArg v_new = tensor_arg(v_new_obj, "v_new");
+  expect_tensor(v_new, {dtype::kBFloat16}, vs, "(B, T, HV, 128) as v", &q, 16);
+  TensorArg dout = tensor_arg(do_obj, "do");
+  expect_tensor(dout, {dtype::kBFloat16}, vs, "(B, T, HV, 128) as v", &q, 16);
+  TensorArg dv = tensor_arg(dv_obj, "dv");
+  expect_tensor(dv, {dtype::kBFloat16}, vs, "(B, T, HV, 128) as v", &q, 16);
+  TensorArg g = tensor_arg(g_obj, "g");
+  expect_tensor(g, {dtype::kFloat32}, vs, "(B, T, HV, 128) as v", &q, 16);
+  TensorArg beta = tensor_arg(beta_obj, "beta");
+  expect_tensor(beta, {dtype::kFloat32}, {B, T, HV}, "(B, T, HV)", &q);
+  TensorArg A = tensor_arg(A_obj, "A");
+  expect_tensor(A, {dtype::kBFloat16}, {B, T, HV, kChunk}, "(B, T, HV, 64)", &q, 16);
+
+  KdaBwdWyParams p{};
+  int64_t chunks = B * ((T + kChunk - 1) / kChunk);
+  bool const varlen = !cu_obj.is_none();
+  if (varlen != !chunk_indices_obj.is_none()) {
+    throw py::value_error("cu_seqlens and chunk_indices: expected both or neither");
+  }
+  if (varlen) {
+    if (B != 1) throw py::value_error("q: expected batch size 1 with cu_seqlens, got " + std::to_string(B));
+    TensorArg cu = tensor_arg(cu_obj, "cu_seqlens");
+    expect_dtype(cu, {dtype::kInt32, dtype::kInt64});
+    expect_ndim(cu, 1);
+    if (cu.size(0) < 1) throw py::value_error("cu_seqlens: expected at least 1 entry (N+1 for N sequences), got 0");
+    expect_contiguous(cu);
+    expect_same_device(cu, q);
+    TensorArg ci = tensor_arg(chunk_indices_obj, "chunk_indices");
+    expect_dtype(ci, {dtype::kInt32, dtype::kInt64});
+    expect_ndim(ci, 2);
+    if (ci.size(1) != 2) throw py::value_error("chunk_indices: expected shape (chunks, 2), got " + ci.shape_str());
+    expect_contiguous(ci);
+    expect_same_device(ci, q);
+    chunks = ci.size(0);
+    p.cu_seqlens = cu.data;
+    p.cu_seqlens_int64 = cu.dtype == dtype::kInt64;
+    p.chunk_indices = ci.data;
+    p.chunk_indices_int64 = ci.dtype == dtype::kInt64;
+  }
+  std::string const hw = "(B, NT, HV, 128, 128) with B * NT = chunks = " + std::to_string(chunks) + ", HV = " +
+                         std::to_string(HV);
+  TensorArg h = tensor_arg(h_obj, "h");
+  TensorArg dh = tensor_arg(dh_obj, "dh");
+  for (TensorArg* x : {&h, &dh}) {
+    expect_dtype(*x, {dtype::kBFloat16});
+    if (x->ndim != 5 || x->size(0) * x->size(1) != chunks || x->size(2) != HV || x->size(3) != kHeadDim ||
+        x->size(4) != kHeadDim) {
+      throw py::value_error(std::string(x == &h ? "h" : "dh") + ": expected shape " + hw + ", got " +
+                            x->shape_str());
+    }
+    expect_contiguous(*x);
+    expect_aligned(*x, 16);
+    expect_same_device(*x, q);
+  }
+  TensorArg dq = tensor_arg(dq_obj, "dq");
+  expect_tensor(dq, {dtype::kFloat32}, vs, "(B, T, HV, 128) as v", &q, 16);
+  TensorArg dk = tensor_arg(dk_obj, "dk");
+  expect_tensor(dk, {dtype::kFloat32}, vs, "(B, T, HV, 128) as v", &q, 16);
+  TensorArg dv2 = tensor_arg(dv2_obj, "dv2");
+  expect_tensor(dv2, {dtype::kBFloat16}, vs, "(B, T, HV, 128) as v", &q, 16);
+  TensorArg dg = tensor_arg(dg_obj, "dg");
+  expect_tensor(dg, {dtype::kFloat32}, vs, "(B, T, HV, 128) as v", &q, 16);
+  TensorArg db = tensor_arg(db_obj, "db");
+  expect_tensor(db, {dtype::kFloat32}, {B, T, HV}, "(B, T, HV)", &q);
+  TensorArg dA = tensor_arg(dA_obj, "dA");
+  expect_tensor(dA, {dtype::kFloat32}, {B, T, HV, kChunk}, "(B, T, HV, 64)", &q, 16);
+  if (chunks * HV >= (int64_t(1) << 31)) throw py::value_error("kda_bwd_wy: too many (chunk, value head) pairs");
+
+  p.q = q.data; p.k = k.data; p.v = v.data; p.v_new = v_new.data; p.dout = dout.data; p.dv = dv.data;
+  p.g = g.ptr<float>(); p.beta = beta.ptr<float>(); p.A = A.data; p.h = h.data; p.dh = dh.data;
+  p.dq = dq.ptr<float>(); p.dk = dk.ptr<float>(); p.dv2 = dv2.data; p.dg = dg.ptr<float>();
+  p.db = db.ptr<float>(); p.dA = dA.ptr<float>();
+  p.B = static_cast<int>(B);
+  p.T = static_cast<int>(T);
+  p.H = static_cast<int>(H);
+  p.HV = static_cast<int>(HV);
+  p.chunks = static_cast<int>(chunks);
+  p.scale = static_cast<float>(scale);
+  p.state_v_first = state_v_first;
+  p.device = q.device.device_id;
+  p.stream = current_stream(q.device);
+  py::gil_scoped_release release;
+  run_kda_bwd_wy(p);
+}
 }  // namespace
 
 void register_kda_fwd(py::module_& m) {
+  m.def("kda_bwd_wy", &kda_bwd_wy_api, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("v_new"), py::arg("g"),
+        py::arg("beta"), py::arg("A"), py::arg("h"), py::arg("do"), py::arg("dh"), py::arg("dv"), py::arg("dq"),
+        py::arg("dk"), py::arg("dv2"), py::arg("dg"), py::arg("db"), py::arg("dA"), py::arg("scale"),
+        py::arg("state_v_first"), py::arg("cu_seqlens") = py::none(), py::arg("chunk_indices") = py::none(),
+        "Enqueue kda_bwd_wy (csrc/kda_sm90/kda_bwd.h) on the current stream of q's device: FLA 0.6.0's\n"
+        "chunk_kda_bwd_wy_dqkg_fused. bf16 q, k [B,T,H,128], v, v_new, do, dv [B,T,HV,128], A (Akk) [B,T,HV,64],\n"
+        "h, dh [B, NT, HV, 128, 128] (V-first with state_v_first); fp32 g [B,T,HV,128], beta [B,T,HV]. Writes fp32\n"
+        "dq, dk, dg [B,T,HV,128], db [B,T,HV], dA [B,T,HV,64] and bf16 dv2 [B,T,HV,128] on the sequences' rows.\n"
+        "Varlen: B = 1, cu_seqlens [N+1] and chunk_indices [chunks, 2] (FLA's prepare_chunk_indices), int32/int64.\n"
+        "All contiguous. TypeError / ValueError before any CUDA call, RuntimeError for CUDA errors.");
   m.def("kda_combine", &kda_combine_api, py::arg("seg_H"), py::arg("seg_M"),
         "The exact sequence split's combine on the current stream of seg_H's device: fp32 seg_H [P-1, N, HV, 128,\n"
         "128] and seg_M [P-2, N, HV, 128, 128] (K-major, contiguous); in place, seg_H[s] += seg_M[s-1] @ seg_H[s-1]\n"

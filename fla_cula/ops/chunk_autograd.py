@@ -2,9 +2,9 @@
 
 Each Function takes the forward to run (a plan from ``fla_cula.routing.route``: our kernel, or FLA's
 own forward as the stand-in) and saves exactly what FLA's backward reads, so that the backward is
-FLA's code unchanged (``chunk_kda_bwd``; ``chunk_simple_gla_bwd`` for lightning). With the stand-in
-forward the gradients are bit-identical to plain FLA's; with a kernel only the forward's error
-remains to examine. Both Functions keep FLA's decorators (``input_guard``: contiguous inputs and the
+FLA's (``chunk_simple_gla_bwd`` for lightning; for KDA ``fla_cula.ops.kda_bwd.chunk_kda_bwd``: FLA's
+chunk_kda_bwd step for step, its chunk-local gradient step on fla_cula's kernel where it applies).
+Both Functions keep FLA's decorators (``input_guard``: contiguous inputs and the
 inputs' device; ``autocast_custom_fwd/bwd``), so autocast and device handling match FLA's.
 
 What FLA's backward reads (fla/ops/kda/chunk.py ChunkKDAFunction, chunk_bwd.py), per op:
@@ -31,11 +31,12 @@ from typing import NamedTuple
 import torch
 from fla.modules.norm.l2norm import l2norm_bwd
 from fla.ops.common.gate import fused_beta_sigmoid_bwd
-from fla.ops.kda.chunk_bwd import chunk_kda_bwd
 from fla.ops.simple_gla.chunk import chunk_simple_gla_bwd
 from fla.ops.utils import prepare_chunk_indices
 from fla.ops.utils.constant import RCP_LN2
 from fla.utils import autocast_custom_bwd, autocast_custom_fwd, input_guard
+
+from fla_cula.ops.kda_bwd import chunk_kda_bwd
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,8 @@ class ChunkKDAFunction(torch.autograd.Function):
             state_v_first=cfg.state_v_first, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
             chunk_size=cfg.chunk_size, safe_gate=cfg.safe_gate, lower_bound=cfg.lower_bound,
             use_gate_in_kernel=cfg.use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
-            disable_recompute=cfg.disable_recompute, cp_context=None, w=w, u=u, qg=qg, kg=kg, v_new=v_new,
-            h=h, use_graph=False, chunk_offsets=chunk_offsets)
+            disable_recompute=cfg.disable_recompute, w=w, u=u, qg=qg, kg=kg, v_new=v_new, h=h,
+            chunk_offsets=chunk_offsets)
         if cfg.use_qk_l2norm_in_kernel:
             dq = l2norm_bwd(q, q_rstd, dq)
             dk = l2norm_bwd(k, k_rstd, dk)

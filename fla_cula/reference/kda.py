@@ -419,3 +419,69 @@ def kda_decode_pool(
                                      f"final_state row {row}, but final_state has only N={N} rows")
                 out_state[row] = S_t[0]
     return o.reshape(B, T, HV, V), _from_kv(out_state, state_v_first)
+
+
+def bwd_wy_reference(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale: float, state_v_first: bool,
+                     cu_seqlens: torch.Tensor | None = None, chunk: int = 64) -> dict[str, torch.Tensor]:
+    """fp64 model of FLA 0.6.0's chunk_kda_bwd_wy_dqkg_fused (the kernel fla_cula's kda_bwd_wy replaces), per chunk,
+    with its bf16 rounding points (dw = bf16(-(dv H)), bf16(kg) in dA's product, X = bf16(M(dA) diag(beta)),
+    Y = bf16(X Akk)). Layouts as FLA's: q, k [B,T,H,K]; v, v_new, do, dv [B,T,HV,V]; g [B,T,HV,K] (chunk-local
+    cumsum, log2); beta [B,T,HV]; A = Akk [B,T,HV,chunk]; h, dh [B or 1, NT, HV, ...] chunk-start states, [V][K]
+    with state_v_first else [K][V]; varlen: B = 1 and cu_seqlens, h's chunks in sequence order.
+    Returns dq, dk, dg [B,T,HV,K], dv2 [B,T,HV,V], db [B,T,HV], dA [B,T,HV,chunk] (fp64; rows past a sequence's
+    end zero)."""
+    f64, bf = torch.float64, torch.bfloat16
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    G = HV // H
+    seqs = ([(b, 0, T) for b in range(B)] if cu_seqlens is None else
+            [(0, int(cu_seqlens[i]), int(cu_seqlens[i + 1])) for i in range(cu_seqlens.numel() - 1)])
+    out = {n: torch.zeros(B, T, HV, K, dtype=f64) for n in ("dq", "dk", "dg")}
+    out["dv2"] = torch.zeros(B, T, HV, V, dtype=f64)
+    out["db"] = torch.zeros(B, T, HV, dtype=f64)
+    out["dA"] = torch.zeros(B, T, HV, chunk, dtype=f64)
+    hf, dhf = h.reshape(-1, HV, h.shape[-2], h.shape[-1]), dh.reshape(-1, HV, h.shape[-2], h.shape[-1])
+
+    def rb(x):  # round to bf16, back to fp64
+        return x.to(bf).to(f64)
+
+    ci = 0
+    for b, bos, eos in seqs:
+        for t0 in range(bos, eos, chunk):
+            L = min(chunk, eos - t0)
+            rows = slice(t0, t0 + L)
+            for hv in range(HV):
+                hq = hv // G
+                Hm = hf[ci, hv].to(f64)
+                dHm = dhf[ci, hv].to(f64)
+                if not state_v_first:  # stored [K][V]: FLA reads [V][K]
+                    Hm, dHm = Hm.T, dHm.T
+                qc, kc = q[b, rows, hq].to(f64), k[b, rows, hq].to(f64)
+                vc, vn, doc, dvc = (x[b, rows, hv].to(f64) for x in (v, v_new, do, dv))
+                gc, bc = g[b, rows, hv].to(f64), beta[b, rows, hv].to(f64)
+                bA = A[b, rows, hv, :L].to(f64).T  # bA[t][s] = Akk[s][t]
+                gn = gc[L - 1]
+                e = torch.exp2(gc)
+                dvb = bA @ dvc
+                db = (dvb * vc).sum(1)
+                dq = (doc @ Hm) * e * scale
+                dkp = (vn @ dHm) * torch.exp2(gn[None, :] - gc)
+                dw = rb(-(dvc @ Hm))
+                kg = kc * e
+                dA = dvc @ vc.T + dw @ rb(kg).T
+                dkgb = bA @ dw
+                db = db + (dkgb * kg).sum(1)
+                dgk = (Hm * dHm).sum(0) * torch.exp2(gn) + (kc * dkp).sum(0)
+                dg = qc * dq - kc * dkp + kg * dkgb * bc[:, None]
+                dg[L - 1] += dgk
+                M = torch.tril(torch.ones(L, L, dtype=torch.bool), -1)
+                X = rb(torch.where(M, dA * bc[None, :], 0.0))
+                Y = rb(X @ bA)
+                out["dq"][b, rows, hv] = dq
+                out["dk"][b, rows, hv] = dkp + dkgb * e * bc[:, None]
+                out["dg"][b, rows, hv] = dg
+                out["dv2"][b, rows, hv] = dvb * bc[:, None]
+                out["db"][b, rows, hv] = db
+                out["dA"][b, rows, hv, :L] = torch.where(M, -(bA @ Y), 0.0)
+            ci += 1
+    return out

@@ -1,0 +1,47 @@
+// Host interface of fla_cula's KDA backward kernels (issue 18, training path). Plain C++, no CUDA headers.
+//
+// kda_bwd_wy: the per-chunk gradient step of FLA 0.6.0's chunk_kda_bwd that follows the state pass backward
+// (FLA's chunk_kda_bwd_kernel_wy_dqkg_fused, same inputs, outputs and rounding points; docs/kda_bwd_sm90.md).
+// One CTA of 256 threads per (chunk, value head); every product on mma.sync m16n8k16 (bf16 in, fp32 out).
+#pragma once
+
+#include <cstdint>
+
+namespace fla_cula {
+
+struct KdaBwdWyParams {
+  // token-major inputs, contiguous: element (token t, head x, channel d) at (t * heads + x) * width + d, the token
+  // index running over the flattened [B*T]
+  void const* q;       // bf16 [B,T,H,128] (l2-normalized when the forward normalized)
+  void const* k;       // bf16 [B,T,H,128]
+  void const* v;       // bf16 [B,T,HV,128]
+  void const* v_new;   // bf16 [B,T,HV,128]  u - w h, from the forward recompute
+  void const* dout;    // bf16 [B,T,HV,128]  do
+  void const* dv;      // bf16 [B,T,HV,128]  dv after the state pass backward
+  float const* g;      // fp32 [B,T,HV,128]  chunk-local cumsum of the gate, log2 units
+  float const* beta;   // fp32 [B,T,HV]
+  void const* A;       // bf16 [B,T,HV,64]   Akk: row t of its chunk, zero above the diagonal
+  void const* h;       // bf16 [chunks, HV, 128, 128] chunk-start states, [V][K] with state_v_first else [K][V]
+  void const* dh;      // bf16 [chunks, HV, 128, 128] same layout
+  // outputs (rows past a sequence's end untouched)
+  float* dq;           // fp32 [B,T,HV,128]
+  float* dk;           // fp32 [B,T,HV,128]
+  void* dv2;           // bf16 [B,T,HV,128]
+  float* dg;           // fp32 [B,T,HV,128]
+  float* db;           // fp32 [B,T,HV]
+  float* dA;           // fp32 [B,T,HV,64]
+  int B, T, H, HV;
+  int chunks;          // B * ceil(T / 64), or the varlen chunk count (chunk_indices rows)
+  float scale;
+  bool state_v_first;
+  void const* cu_seqlens;     // [N+1] int32 / int64 or null (fixed length)
+  bool cu_seqlens_int64;
+  void const* chunk_indices;  // [chunks, 2] (sequence, chunk) int32 / int64, with cu_seqlens (FLA's layout)
+  bool chunk_indices_int64;
+  int device;
+  void* stream;
+};
+
+void run_kda_bwd_wy(KdaBwdWyParams const& params);
+
+}  // namespace fla_cula

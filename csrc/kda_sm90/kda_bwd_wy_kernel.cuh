@@ -1,0 +1,340 @@
+// Device code of kda_bwd_wy (kda_bwd.h): the chunk-local gradients of KDA after the state pass backward.
+//
+// One CTA (8 warps) per (chunk c, value head hv); tokens t, s, j < 64 of the chunk, channels k < 128, values
+// v < 128. bA[t][s] = Akk[s][t] (FLA reads Akk transposed); H[v][k] the chunk-start state as read by FLA
+// (S^T), dH likewise; e = exp2(g[t][k]), n the chunk's last row, L its length. Rows t >= L load as zero.
+//   dvb = bA dv                      dv2 = dvb diag(beta)           db  = rowsum(dvb * v)
+//   dq  = scale e * (do H)           dk' = exp2(g_n - g) * (v' dH)  (0 on rows >= L)
+//   dw  = bf16(-(dv H))              kg  = k e
+//   dA  = dv v^T + dw bf16(kg)^T     dkgb = bA dw                   db += rowsum(dkgb * kg)
+//   dgk = exp2(g_n) colsum(H * dH) + colsum(k * dk')
+//   dg  = q dq - k dk' + [t = n] dgk + kg dkgb beta
+//   dk  = dk' + dkgb e beta
+//   X   = bf16(M(dA) diag(beta)),  dA_out = -M(bA bf16(X Akk))  (M: strictly lower, both rows < L)
+// Products are warp mma.sync m16n8k16 over shared-memory tiles (ldmatrix, .trans for operands stored with the
+// reduced index across rows), so no tile is stored twice. Warp w owns rows 16 (w % 4) .. + 15 and columns
+// 64 (w / 4) .. + 63 of a 64 x 128 result (32 (w / 4) .. + 31 of a 64 x 64 one).
+#pragma once
+
+#include "kda_sm90/kda_bwd.h"
+#include "kda_sm90/kda_fwd_kernel.cuh"
+
+namespace fla_cula::kda_sm90 {
+
+constexpr int kBwdThreads = 256;
+
+// ldmatrix.sync.aligned.m8n8.x4.trans: as ldmatrix_x4, each 8 x 8 tile transposed (register i of lane l: stored
+// rows 2 (l % 4) and + 1 of tile i at column l / 4).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], bf16 const* row) {
+#ifdef FLA_CULA_KDA_HOST_EMULATION
+  kda_emulated_ldmatrix_trans(r, row);
+#else
+  unsigned const s = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+#endif
+}
+
+// acc[nt] += A[0:16][0:K] B[8 nt : 8 nt + 8][0:K]^T on the warp. A (m, k) at A[m lda + k], or A[k lda + m] with kAT;
+// B (n, k) at B[n ldb + k], or B[k ldb + n] with kBT. Rows 16-byte aligned; C fragments as in warp_mma_tn.
+template <int NT, int K, bool kAT, bool kBT>
+__device__ __forceinline__ void warp_mma(float (&acc)[NT][4], bf16 const* A, int lda, bf16 const* B, int ldb,
+                                         int lane) {
+  static_assert(NT % 2 == 0 && K % 16 == 0, "two 8-column tiles per B load, 16-deep steps");
+  int const i = lane >> 3, j = lane & 7;  // this lane addresses row j of 8 x 8 tile i
+#pragma unroll
+  for (int k0 = 0; k0 < K; k0 += 16) {
+    uint32_t a[4];  // tiles (m 0-7 | 8-15) x (k 0-7 | 8-15), m fastest
+    if constexpr (kAT) {
+      ldmatrix_x4_trans(a, A + (k0 + 8 * (i >> 1) + j) * lda + 8 * (i & 1));
+    } else {
+      ldmatrix_x4(a, A + (8 * (i & 1) + j) * lda + k0 + 8 * (i >> 1));
+    }
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      uint32_t b[4];  // tiles (n 0-7 | 8-15) x (k 0-7 | 8-15), k fastest: b0, b1 of two 8-column tiles
+      if constexpr (kBT) {
+        ldmatrix_x4_trans(b, B + (k0 + 8 * (i & 1) + j) * ldb + 16 * np + 8 * (i >> 1));
+      } else {
+        ldmatrix_x4(b, B + (16 * np + 8 * (i >> 1) + j) * ldb + k0 + 8 * (i & 1));
+      }
+      mma_bf16_16816(acc[2 * np], a[0], a[1], a[2], a[3], b[0], b[1]);
+      mma_bf16_16816(acc[2 * np + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
+    }
+  }
+}
+
+__device__ __forceinline__ float2 ld_bf16x2(void const* p) {
+  uint32_t const x = *static_cast<uint32_t const*>(p);
+  return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
+}
+
+// Shared memory (~164 KB, one CTA per SM). The 64 x 128 tiles die in phases and take the later tiles' places.
+struct BwdWyStorage {
+  bf16 dout[kC * kLdK];  // do; then bf16(Y) [64][kLdC]
+  bf16 vn[kC * kLdK];    // v'; then X [64][kLdC]
+  bf16 dv[kC * kLdK];    // dv; then bf16(kg)
+  bf16 v[kC * kLdK];     // v; then dw = bf16(-(dv H))
+  bf16 h[kK * kLdK];     // the state as stored ([v][k] with state_v_first, else [k][v])
+  bf16 dh[kK * kLdK];
+  bf16 A[kC * kLdC];     // Akk rows as stored: A[s][t] = bA[t][s]
+  float dA[kC * kLdF];
+  float beta[kC], gn[kK], dgk[kK], db[kC];
+};
+constexpr int kBwdWySmemBytes = int(sizeof(BwdWyStorage));
+
+template <bool kVFirst>
+__global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_constant__ KdaBwdWyParams const p) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  BwdWyStorage& sm = *reinterpret_cast<BwdWyStorage*>(smem_raw);
+  int const tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g8 = lane >> 2, t4 = lane & 3;
+  int const r0 = 16 * (w & 3), c128 = 64 * (w >> 2), c64 = 32 * (w >> 2);
+  int const HV = p.HV, hv = int(blockIdx.x % unsigned(HV)), hq = hv / (HV / p.H);
+  int64_t const c = blockIdx.x / unsigned(HV);
+  int64_t bos, it, len;
+  if (p.chunk_indices != nullptr) {
+    auto at = [&](void const* x, int64_t i, bool i64) {
+      return i64 ? static_cast<int64_t const*>(x)[i] : int64_t(static_cast<int32_t const*>(x)[i]);
+    };
+    int64_t const n = at(p.chunk_indices, 2 * c, p.chunk_indices_int64);
+    it = at(p.chunk_indices, 2 * c + 1, p.chunk_indices_int64);
+    bos = at(p.cu_seqlens, n, p.cu_seqlens_int64);
+    len = at(p.cu_seqlens, n + 1, p.cu_seqlens_int64) - bos;
+  } else {
+    int64_t const nt = (p.T + kC - 1) / kC;
+    it = c % nt;
+    bos = c / nt * p.T;
+    len = p.T;
+  }
+  int64_t const t0 = bos + kC * it;
+  int const L = int(len - kC * it < kC ? len - kC * it : kC);
+  auto vrow = [&](int t) { return ((t0 + t) * HV + hv) * kK; };  // element offset of row t, [.., HV, 128] tensors
+  auto qrow = [&](int t) { return ((t0 + t) * p.H + hq) * kK; };
+
+  // 1. loads: do, v', dv, v, H, dH, Akk to shared memory (rows >= L zero); beta, g_n
+  {
+    bf16 const* src[4] = {static_cast<bf16 const*>(p.dout), static_cast<bf16 const*>(p.v_new),
+                          static_cast<bf16 const*>(p.dv), static_cast<bf16 const*>(p.v)};
+    bf16* dst[4] = {sm.dout, sm.vn, sm.dv, sm.v};
+#pragma unroll
+    for (int x = 0; x < 4; ++x)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        int const i = tid + kBwdThreads * r, t = i >> 4, u = 8 * (i & 15);
+        cp_async16(dst[x] + t * kLdK + u, src[x] + (t < L ? vrow(t) : 0) + u, t < L);
+      }
+    int64_t const hoff = (c * HV + hv) * kK * kK;
+    bf16 const* hs = static_cast<bf16 const*>(p.h) + hoff;
+    bf16 const* dhs = static_cast<bf16 const*>(p.dh) + hoff;
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+      int const i = tid + kBwdThreads * r, row = i >> 4, u = 8 * (i & 15);
+      cp_async16(sm.h + row * kLdK + u, hs + row * kK + u, true);
+      cp_async16(sm.dh + row * kLdK + u, dhs + row * kK + u, true);
+    }
+    bf16 const* As = static_cast<bf16 const*>(p.A);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      int const i = tid + kBwdThreads * r, t = i >> 3, u = 8 * (i & 7);
+      cp_async16(sm.A + t * kLdC + u, As + (t < L ? ((t0 + t) * HV + hv) * kC : 0) + u, t < L);
+    }
+    cp_async_commit();
+    if (tid < kC) {
+      sm.beta[tid] = tid < L ? p.beta[(t0 + tid) * HV + hv] : 0.f;
+      sm.db[tid] = 0.f;
+    }
+    if (tid < kK) sm.gn[tid] = p.g[vrow(L - 1) + tid];
+    cp_async_wait_all();
+    __syncthreads();
+  }
+
+  float dbp[2] = {0.f, 0.f};  // this thread's share of db, rows r0 + g8 and + 8
+  // 2. dvb = bA dv: dv2 and the first part of db
+  {
+    float acc[8][4];
+    zero(acc);
+    warp_mma<8, kC, true, true>(acc, sm.A + r0, kLdC, sm.dv + c128, kLdK, lane);
+    bf16* dv2 = static_cast<bf16*>(p.dv2);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi) {
+        int const t = r0 + g8 + 8 * hi, col = c128 + 8 * nt + 2 * t4;
+        float const a0 = acc[nt][2 * hi], a1 = acc[nt][2 * hi + 1], b = sm.beta[t];
+        float2 const vv = ld_bf16x2(sm.v + t * kLdK + col);
+        dbp[hi] += a0 * vv.x + a1 * vv.y;
+        if (t < L) *reinterpret_cast<__nv_bfloat162*>(dv2 + vrow(t) + col) = __floats2bfloat162_rn(a0 * b, a1 * b);
+      }
+  }
+  // 3. dA = dv v^T (kept in shared memory, this warp's entries)
+  {
+    float acc[4][4];
+    zero(acc);
+    warp_mma<4, kK, false, false>(acc, sm.dv + r0 * kLdK, kLdK, sm.v + c64 * kLdK, kLdK, lane);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sm.dA[(r0 + g8 + 8 * (e >> 1)) * kLdF + c64 + 8 * nt + 2 * t4 + (e & 1)] = acc[nt][e];
+  }
+  // 4. dv H (to become dw), and exp2(g_n) colsum(H * dH)
+  float acc[8][4];
+  zero(acc);
+  warp_mma<8, kK, false, kVFirst>(acc, sm.dv + r0 * kLdK, kLdK, sm.h + (kVFirst ? c128 : c128 * kLdK), kLdK, lane);
+  if (tid < kK) {
+    float s = 0.f;
+#pragma unroll 8
+    for (int x = 0; x < kK; ++x) {
+      int const o = kVFirst ? x * kLdK + tid : tid * kLdK + x;
+      s += __bfloat162float(sm.h[o]) * __bfloat162float(sm.dh[o]);
+    }
+    sm.dgk[tid] = s * exp2f(sm.gn[tid]);
+  }
+  __syncthreads();  // dv and v are dead
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      int const t = r0 + g8 + 8 * hi, col = c128 + 8 * nt + 2 * t4;
+      *reinterpret_cast<__nv_bfloat162*>(sm.v + t * kLdK + col) =
+          __floats2bfloat162_rn(-acc[nt][2 * hi], -acc[nt][2 * hi + 1]);
+    }
+
+  float dg[8][4];  // dg of this warp's entries, summed over the steps below
+  // 5. dq = scale e (do H)
+  zero(acc);
+  warp_mma<8, kK, false, kVFirst>(acc, sm.dout + r0 * kLdK, kLdK, sm.h + (kVFirst ? c128 : c128 * kLdK), kLdK,
+                                  lane);
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      int const t = r0 + g8 + 8 * hi, col = c128 + 8 * nt + 2 * t4;
+      float2 d = make_float2(0.f, 0.f), q = d;
+      if (t < L) {
+        float2 const gg = *reinterpret_cast<float2 const*>(p.g + vrow(t) + col);
+        d = make_float2(acc[nt][2 * hi] * exp2f(gg.x) * p.scale, acc[nt][2 * hi + 1] * exp2f(gg.y) * p.scale);
+        *reinterpret_cast<float2*>(p.dq + vrow(t) + col) = d;
+        q = ld_bf16x2(static_cast<bf16 const*>(p.q) + qrow(t) + col);
+      }
+      dg[nt][2 * hi] = q.x * d.x;
+      dg[nt][2 * hi + 1] = q.y * d.y;
+    }
+  // 6. dk' = exp2(g_n - g) (v' dH); dg -= k dk'; colsum(k dk') into dgk; kg = k e to shared memory (dv's place)
+  float dk[8][4];
+  zero(dk);
+  warp_mma<8, kK, false, kVFirst>(dk, sm.vn + r0 * kLdK, kLdK, sm.dh + (kVFirst ? c128 : c128 * kLdK), kLdK, lane);
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    float cs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      int const t = r0 + g8 + 8 * hi, col = c128 + 8 * nt + 2 * t4;
+      float2 kk = make_float2(0.f, 0.f), kg = kk;
+      if (t < L) {
+        float2 const gg = *reinterpret_cast<float2 const*>(p.g + vrow(t) + col);
+        kk = ld_bf16x2(static_cast<bf16 const*>(p.k) + qrow(t) + col);
+        dk[nt][2 * hi] *= exp2f(sm.gn[col] - gg.x);
+        dk[nt][2 * hi + 1] *= exp2f(sm.gn[col + 1] - gg.y);
+        kg = make_float2(kk.x * exp2f(gg.x), kk.y * exp2f(gg.y));
+      } else {
+        dk[nt][2 * hi] = dk[nt][2 * hi + 1] = 0.f;
+      }
+      float const x0 = kk.x * dk[nt][2 * hi], x1 = kk.y * dk[nt][2 * hi + 1];
+      dg[nt][2 * hi] -= x0;
+      dg[nt][2 * hi + 1] -= x1;
+      cs[0] += x0;
+      cs[1] += x1;
+      *reinterpret_cast<__nv_bfloat162*>(sm.dv + t * kLdK + col) = __floats2bfloat162_rn(kg.x, kg.y);
+    }
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {  // over the 8 row groups of the warp
+      cs[0] += __shfl_xor_sync(0xffffffffu, cs[0], o);
+      cs[1] += __shfl_xor_sync(0xffffffffu, cs[1], o);
+    }
+    if (g8 == 0) {
+      atomicAdd(&sm.dgk[c128 + 8 * nt + 2 * t4], cs[0]);
+      atomicAdd(&sm.dgk[c128 + 8 * nt + 2 * t4 + 1], cs[1]);
+    }
+  }
+  __syncthreads();  // dw and kg complete; dgk complete
+  // 7. dA += dw bf16(kg)^T (this warp's entries)
+  {
+    float a[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) a[nt][e] = sm.dA[(r0 + g8 + 8 * (e >> 1)) * kLdF + c64 + 8 * nt + 2 * t4 + (e & 1)];
+    warp_mma<4, kK, false, false>(a, sm.v + r0 * kLdK, kLdK, sm.dv + c64 * kLdK, kLdK, lane);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sm.dA[(r0 + g8 + 8 * (e >> 1)) * kLdF + c64 + 8 * nt + 2 * t4 + (e & 1)] = a[nt][e];
+  }
+  // 8. dkgb = bA dw: db, dg and dk
+  zero(acc);
+  warp_mma<8, kC, true, true>(acc, sm.A + r0, kLdC, sm.v + c128, kLdK, lane);
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      int const t = r0 + g8 + 8 * hi, col = c128 + 8 * nt + 2 * t4;
+      if (t >= L) continue;
+      float2 const gg = *reinterpret_cast<float2 const*>(p.g + vrow(t) + col);
+      float2 const kk = ld_bf16x2(static_cast<bf16 const*>(p.k) + qrow(t) + col);
+      float const e0 = exp2f(gg.x), e1 = exp2f(gg.y), b = sm.beta[t];
+      float const kg0 = kk.x * e0, kg1 = kk.y * e1, x0 = acc[nt][2 * hi], x1 = acc[nt][2 * hi + 1];
+      dbp[hi] += x0 * kg0 + x1 * kg1;
+      float2 d = make_float2(dg[nt][2 * hi] + kg0 * x0 * b, dg[nt][2 * hi + 1] + kg1 * x1 * b);
+      if (t == L - 1) {
+        d.x += sm.dgk[col];
+        d.y += sm.dgk[col + 1];
+      }
+      *reinterpret_cast<float2*>(p.dg + vrow(t) + col) = d;
+      *reinterpret_cast<float2*>(p.dk + vrow(t) + col) =
+          make_float2(dk[nt][2 * hi] + x0 * e0 * b, dk[nt][2 * hi + 1] + x1 * e1 * b);
+    }
+#pragma unroll
+  for (int hi = 0; hi < 2; ++hi) {
+    float x = dbp[hi];
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    if (t4 == 0) atomicAdd(&sm.db[r0 + g8 + 8 * hi], x);
+  }
+  __syncthreads();  // dA and db complete
+  if (tid < L) p.db[(t0 + tid) * HV + hv] = sm.db[tid];
+  // 9. X = bf16(M(dA) diag(beta)) in v''s place, Y = bf16(X Akk) in do's place, dA_out = -M(bA Y)
+  bf16* const X = sm.vn;
+  bf16* const Y = sm.dout;
+#pragma unroll
+  for (int r = 0; r < kC * kC / 2 / kBwdThreads; ++r) {
+    int const i = tid + kBwdThreads * r, t = i >> 5, s = 2 * (i & 31);
+    float const x0 = (s < t && t < L) ? sm.dA[t * kLdF + s] * sm.beta[s] : 0.f;
+    float const x1 = (s + 1 < t && t < L) ? sm.dA[t * kLdF + s + 1] * sm.beta[s + 1] : 0.f;
+    *reinterpret_cast<__nv_bfloat162*>(X + t * kLdC + s) = __floats2bfloat162_rn(x0, x1);
+  }
+  __syncthreads();
+  float y[4][4];
+  zero(y);
+  warp_mma<4, kC, false, false>(y, X + r0 * kLdC, kLdC, sm.A + c64 * kLdC, kLdC, lane);
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi)
+      *reinterpret_cast<__nv_bfloat162*>(Y + (r0 + g8 + 8 * hi) * kLdC + c64 + 8 * nt + 2 * t4) =
+          __floats2bfloat162_rn(y[nt][2 * hi], y[nt][2 * hi + 1]);
+  __syncthreads();
+  zero(y);
+  warp_mma<4, kC, true, true>(y, sm.A + r0, kLdC, Y + c64, kLdC, lane);
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int hi = 0; hi < 2; ++hi) {
+      int const t = r0 + g8 + 8 * hi, s = c64 + 8 * nt + 2 * t4;
+      if (t >= L) continue;
+      float2 const d = make_float2(s < t ? -y[nt][2 * hi] : 0.f, s + 1 < t ? -y[nt][2 * hi + 1] : 0.f);
+      *reinterpret_cast<float2*>(p.dA + ((t0 + t) * HV + hv) * kC + s) = d;
+    }
+}
+
+}  // namespace fla_cula::kda_sm90
