@@ -1,0 +1,104 @@
+"""kda_bwd_wy alone against FLA's chunk_kda_bwd_wy_dqkg_fused, same inputs, same run.
+
+    python -m benchmarks.kda_bwd_wy [--rows '[[2,4096,32],[1,8192,32]]'] [--reps 50] [--vfirst 1]
+
+Random inputs of the training path's shapes (their values do not change the time); each side timed as the median of
+--reps CUDA-event intervals after a warm-up, in alternating order; the floor beside them is the kernel's bytes
+(~344 KB per chunk and value head: q, k, v, v', do, dv, g, h, dh, Akk in; dq, dk, dg, dv2, dA, db out) at the
+measured copy bandwidth of a same-size device copy. `AB_BENCH=kda_bwd_wy` runs it under scripts/device_jobs.sh ab.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+
+def inputs(B: int, T: int, HV: int, vfirst: bool) -> dict:
+    d, bf = "cuda", torch.bfloat16
+    NT = (T + 63) // 64
+    x = dict(q=torch.randn(B, T, HV, 128, device=d, dtype=bf) * 0.1,
+             k=torch.randn(B, T, HV, 128, device=d, dtype=bf) * 0.1,
+             g=-torch.rand(B, T, HV, 128, device=d) * 2, beta=torch.rand(B, T, HV, device=d),
+             A=(torch.randn(B, T, HV, 64, device=d) * 0.1).to(bf),
+             h=torch.randn(B, NT, HV, 128, 128, device=d, dtype=bf) * 0.1,
+             dh=torch.randn(B, NT, HV, 128, 128, device=d, dtype=bf) * 0.1)
+    for n in ("v", "v_new", "do", "dv"):
+        x[n] = torch.randn(B, T, HV, 128, device=d, dtype=bf)
+    x["state_v_first"] = vfirst
+    return x
+
+
+def ours(x):
+    from fla_cula import _ext
+
+    C = _ext.require()
+    B, T, HV, _ = x["v"].shape
+    out = [torch.empty(B, T, HV, 128, device="cuda") for _ in range(3)]
+    dv2, db = torch.empty_like(x["v"]), torch.empty(B, T, HV, device="cuda")
+    dA = torch.empty(B, T, HV, 64, device="cuda")
+
+    def call():
+        C.kda_bwd_wy(x["q"], x["k"], x["v"], x["v_new"], x["g"], x["beta"], x["A"], x["h"], x["do"], x["dh"],
+                     x["dv"], out[0], out[1], dv2, out[2], db, dA, 128 ** -0.5, x["state_v_first"])
+    return call
+
+
+def fla(x):
+    from fla_cula.ops.kda_bwd import FLA_CHUNK_KDA_BWD_WY
+
+    def call():
+        FLA_CHUNK_KDA_BWD_WY(q=x["q"], k=x["k"], v=x["v"], v_new=x["v_new"], g=x["g"], beta=x["beta"], A=x["A"],
+                             h=x["h"], do=x["do"], dh=x["dh"], dv=x["dv"], scale=128 ** -0.5,
+                             state_v_first=x["state_v_first"])
+    return call
+
+
+def _us(call, reps: int) -> list[float]:
+    e = [(torch.cuda.Event(True), torch.cuda.Event(True)) for _ in range(reps)]
+    for a, b in e:
+        a.record()
+        call()
+        b.record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) * 1e3 for a, b in e]
+
+
+def _copy_us(nbytes: float) -> float:
+    """A device copy moving nbytes in all (nbytes / 2 read, nbytes / 2 written): the memory floor's clock."""
+    src = torch.empty(int(nbytes) // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return statistics.median(_us(lambda: dst.copy_(src), 20))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="[[2,4096,32],[1,8192,32]]", help="JSON list of [B, T, HV]")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--vfirst", type=int, default=1, help="state layout: 1 V-first (the KDA layer's), 0 K-first")
+    a = ap.parse_args(argv)
+    print(f"{'B':>3} {'T':>6} {'HV':>4} {'FLA us':>9} {'ours us':>9} {'speedup':>8} {'floor us':>9}")
+    for B, T, HV in json.loads(a.rows):
+        x = inputs(B, T, HV, bool(a.vfirst))
+        calls = {"fla": fla(x), "ours": ours(x)}
+        for c in calls.values():
+            c()
+            c()
+        t = {n: [] for n in calls}
+        for _ in range(2):
+            for n, c in calls.items():
+                t[n] += _us(c, a.reps // 2)
+        med = {n: statistics.median(v) for n, v in t.items()}
+        copy = _copy_us(B * ((T + 63) // 64) * HV * 344e3)
+        print(f"{B:>3} {T:>6} {HV:>4} {med['fla']:9.1f} {med['ours']:9.1f} {med['fla'] / med['ours']:7.2f}x "
+              f"{copy:9.1f}")
+        del x, calls
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
