@@ -485,3 +485,38 @@ def bwd_wy_reference(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale: float, st
                 out["dA"][b, rows, hv, :L] = torch.where(M, -(bA @ Y), 0.0)
             ci += 1
     return out
+
+
+def bwd_intra_reference(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens: torch.Tensor | None = None,
+                        chunk: int = 64) -> dict[str, torch.Tensor]:
+    """fp64 model of FLA 0.6.0's chunk_kda_bwd_intra (the gradients through Aqk[t][s] = sum_c q_tc k_sc
+    exp2(g_tc - g_sc), s <= t, and Akk[t][s] = beta_t sum_c k_tc k_sc exp2(g_tc - g_sc), s < t, within each chunk),
+    added to the incoming dq, dk, db, dg as FLA adds them. Layouts: q, k [B,T,H,K]; g (chunk-local cumsum, log2),
+    dq, dk, dg [B,T,HV,K]; beta, db [B,T,HV]; dAqk, dAkk [B,T,HV,chunk] (row t of its chunk, column s). Returns dq, dk,
+    db, dg in fp64 ([B,T,HV,...]; dq, dk at value heads, before FLA's GVA reduction)."""
+    f64 = torch.float64
+    B, T, H, K = q.shape
+    HV = g.shape[2]
+    G = HV // H
+    seqs = ([(b, 0, T) for b in range(B)] if cu_seqlens is None else
+            [(0, int(cu_seqlens[i]), int(cu_seqlens[i + 1])) for i in range(cu_seqlens.numel() - 1)])
+    out = {"dq": dq.to(f64).clone(), "dk": dk.to(f64).clone(), "db": db.to(f64).clone(), "dg": dg.to(f64).clone()}
+    for b, bos, eos in seqs:
+        for t0 in range(bos, eos, chunk):
+            L = min(chunk, eos - t0)
+            rows = slice(t0, t0 + L)
+            for hv in range(HV):
+                qc, kc = q[b, rows, hv // G].to(f64), k[b, rows, hv // G].to(f64)
+                gc, bc = g[b, rows, hv].to(f64), beta[b, rows, hv].to(f64)
+                Aq = torch.tril(dAqk[b, rows, hv, :L].to(f64))
+                Ak = torch.tril(dAkk[b, rows, hv, :L].to(f64), -1)
+                E = torch.exp2(gc[:, None, :] - gc[None, :, :]) * torch.tril(torch.ones(L, L, dtype=f64))[:, :, None]
+                dq2 = torch.einsum("ts,tsc,sc->tc", Aq, E, kc)
+                dk2 = torch.einsum("ts,tsc,sc->tc", Ak, E, kc)       # row side, before beta
+                dkt = torch.einsum("ts,tsc,tc->sc", Aq, E, qc) + torch.einsum("ts,tsc,tc->sc", Ak, E, kc * bc[:, None])
+                out["db"][b, rows, hv] += (dk2 * kc).sum(1)
+                dk2 = dk2 * bc[:, None]
+                out["dq"][b, rows, hv] += dq2
+                out["dk"][b, rows, hv] += dk2 + dkt
+                out["dg"][b, rows, hv] += qc * dq2 + (dk2 - dkt) * kc
+    return out
