@@ -493,7 +493,8 @@ def bwd_intra_reference(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens: t
     exp2(g_tc - g_sc), s <= t, and Akk[t][s] = beta_t sum_c k_tc k_sc exp2(g_tc - g_sc), s < t, within each chunk),
     added to the incoming dq, dk, db, dg as FLA adds them. Layouts: q, k [B,T,H,K]; g (chunk-local cumsum, log2),
     dq, dk, dg [B,T,HV,K]; beta, db [B,T,HV]; dAqk, dAkk [B,T,HV,chunk] (row t of its chunk, column s). Returns dq, dk,
-    db, dg in fp64 ([B,T,HV,...]; dq, dk at value heads, before FLA's GVA reduction)."""
+    db, dg in fp64 ([B,T,HV,...]; dq, dk at value heads, before FLA's GVA reduction). dg is FLA's: the derivative
+    in natural-log units of g (exp2's ln 2 and g's 1 / ln 2 cancel; autograd through exp2 gives ln 2 dg)."""
     f64 = torch.float64
     B, T, H, K = q.shape
     HV = g.shape[2]
