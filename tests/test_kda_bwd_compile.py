@@ -9,17 +9,13 @@ errors, so the comparison tells the layouts apart."""
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
 from fla_cula.reference.compare import rel_rms
 from fla_cula.reference.kda import bwd_wy_reference
-from tests.test_kda_prefill_compile import EMULATOR_CPP
+from tests.test_kda_prefill_compile import EMULATOR_CPP, build_emulator
 
 _PRELUDE = EMULATOR_CPP.split("#define FLA_CULA_KDA_HOST_EMULATION 1")[0]
 
@@ -80,19 +76,7 @@ extern "C" void emu_bwd_wy(void const* q, void const* k, void const* v, void con
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    gxx = shutil.which("g++")
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    inc = Path(home) / "include"
-    if gxx is None or not (inc / "cuda_bf16.h").is_file():
-        pytest.skip("g++ or the CUDA headers (cuda_bf16.h) not found")
-    root = Path(__file__).resolve().parent.parent
-    d = tmp_path_factory.mktemp("kda_bwd_emu")
-    (d / "emu.cpp").write_text(EMULATOR_BWD_CPP)
-    so = d / "libkda_bwd_emu.so"
-    r = subprocess.run([gxx, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", f"-I{inc}", f"-I{root / 'csrc'}",
-                        str(d / "emu.cpp"), "-o", str(so)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return ctypes.CDLL(str(so))
+    return build_emulator(EMULATOR_BWD_CPP, tmp_path_factory, "kda_bwd_emu")
 
 
 def bwd_wy_inputs(B, T, H, HV, lens=None, seed=0, state_v_first=True):

@@ -775,8 +775,9 @@ extern "C" void emu_run(void const* q, void const* k, void const* v, void const*
 """
 
 
-@pytest.fixture(scope="module")
-def emulator(tmp_path_factory):
+def build_emulator(source: str, tmp_path_factory, name: str):
+    """g++ builds `source` (an emulator: kernel headers under FLA_CULA_KDA_HOST_EMULATION) into a shared library and
+    loads it; skips the test where g++ or the CUDA headers are missing."""
     import ctypes
     import shutil
     import subprocess
@@ -788,13 +789,18 @@ def emulator(tmp_path_factory):
     if gxx is None or not (inc / "cuda_bf16.h").is_file():
         pytest.skip("g++ or the CUDA headers (cuda_bf16.h) not found")
     root = Path(__file__).resolve().parent.parent
-    d = tmp_path_factory.mktemp("kda_emu")
-    (d / "emu.cpp").write_text(EMULATOR_CPP)
-    so = d / "libkda_emu.so"
+    d = tmp_path_factory.mktemp(name)
+    (d / "emu.cpp").write_text(source)
+    so = d / f"lib{name}.so"
     r = subprocess.run([gxx, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", f"-I{inc}", f"-I{root / 'csrc'}",
                         str(d / "emu.cpp"), "-o", str(so)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]
     return ctypes.CDLL(str(so))
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    return build_emulator(EMULATOR_CPP, tmp_path_factory, "kda_emu")
 
 
 def _ptr(x):

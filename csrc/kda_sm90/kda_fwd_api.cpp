@@ -57,14 +57,13 @@ void expect_tensor(TensorArg const& t, std::initializer_list<DLDataType> dtypes,
   }
 }
 
-void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handle g_obj, py::handle beta_obj,
-                 py::handle A_log_obj, py::handle dt_bias_obj, py::handle h0_obj, py::handle cu_obj, py::handle o_obj,
-                 py::handle ht_obj, py::handle Aqk_obj, py::handle Akk_obj, double scale, double lower_bound,
-                 bool use_qk_l2norm, bool use_beta_sigmoid, double beta_scale, bool state_v_first,
-                 int block_v, py::handle phase_cycles_obj, bool wgmma, int pass, py::handle rec_obj,
-                 int chunks_per_cta, int units, bool maps, py::handle seg_H_obj, py::handle seg_M_obj,
-                 py::handle h_inter_obj, py::handle chunk_offsets_obj, bool state_rs) {
-  TensorArg q = tensor_arg(q_obj, "q");
+// q and k bf16 [B, T, H, 128] and x [B, T, HV, 128] of one of x_dtypes with HV a multiple of H, all contiguous,
+// 16-byte aligned, q on a CUDA device and the rest on q's: {B, T, H, HV}.
+struct HeadDims {
+  int64_t B, T, H, HV;
+};
+HeadDims expect_qk_and_heads(TensorArg const& q, TensorArg const& k, TensorArg const& x,
+                             std::initializer_list<DLDataType> x_dtypes) {
   expect_dtype(q, {dtype::kBFloat16});
   expect_ndim(q, 4);
   int64_t const B = q.size(0), T = q.size(1), H = q.size(2);
@@ -74,19 +73,58 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
   expect_contiguous(q);
   expect_aligned(q, 16);
   expect_cuda(q);
-  TensorArg k = tensor_arg(k_obj, "k");
   expect_tensor(k, {dtype::kBFloat16}, {B, T, H, kHeadDim}, "(B, T, H, 128) as q", &q, 16);
-  TensorArg v = tensor_arg(v_obj, "v");
-  expect_dtype(v, {dtype::kBFloat16});
-  expect_ndim(v, 4);
-  int64_t const HV = v.size(2);
-  if (v.size(0) != B || v.size(1) != T || v.size(3) != kHeadDim || HV < 1 || HV % H != 0) {
-    throw py::value_error("v: expected shape (B, T, HV, 128) = (" + std::to_string(B) + ", " + std::to_string(T) +
-                          ", HV, 128) with HV a multiple of H = " + std::to_string(H) + ", got " + v.shape_str());
+  expect_dtype(x, x_dtypes);
+  expect_ndim(x, 4);
+  int64_t const HV = x.size(2);
+  if (x.size(0) != B || x.size(1) != T || x.size(3) != kHeadDim || HV < 1 || HV % H != 0) {
+    throw py::value_error(std::string(x.name) + ": expected shape (B, T, HV, 128) = (" + std::to_string(B) + ", " +
+                          std::to_string(T) + ", HV, 128) with HV a multiple of H = " + std::to_string(H) + ", got " +
+                          x.shape_str());
   }
-  expect_contiguous(v);
-  expect_aligned(v, 16);
-  expect_same_device(v, q);
+  expect_contiguous(x);
+  expect_aligned(x, 16);
+  expect_same_device(x, q);
+  return {B, T, H, HV};
+}
+
+// The backward's chunk list: cu_seqlens [N+1] and chunk_indices [chunks, 2] (FLA's prepare_chunk_indices), int32 or
+// int64, both or neither, on q's device, batch size 1 with them. Sets the pointers and widths; returns the chunks
+// (B * ceil(T / 64) without them).
+int64_t expect_chunk_list(py::handle cu_obj, py::handle ci_obj, TensorArg const& q, HeadDims const& d,
+                          void const** cu_data, bool* cu64, void const** ci_data, bool* ci64) {
+  bool const varlen = !cu_obj.is_none();
+  if (varlen != !ci_obj.is_none()) throw py::value_error("cu_seqlens and chunk_indices: expected both or neither");
+  if (!varlen) return d.B * ((d.T + kChunk - 1) / kChunk);
+  if (d.B != 1) throw py::value_error("q: expected batch size 1 with cu_seqlens, got " + std::to_string(d.B));
+  TensorArg cu = tensor_arg(cu_obj, "cu_seqlens");
+  expect_dtype(cu, {dtype::kInt32, dtype::kInt64});
+  expect_ndim(cu, 1);
+  if (cu.size(0) < 1) throw py::value_error("cu_seqlens: expected at least 1 entry (N+1 for N sequences), got 0");
+  expect_contiguous(cu);
+  expect_same_device(cu, q);
+  TensorArg ci = tensor_arg(ci_obj, "chunk_indices");
+  expect_dtype(ci, {dtype::kInt32, dtype::kInt64});
+  expect_ndim(ci, 2);
+  if (ci.size(1) != 2) throw py::value_error("chunk_indices: expected shape (chunks, 2), got " + ci.shape_str());
+  expect_contiguous(ci);
+  expect_same_device(ci, q);
+  *cu_data = cu.data;
+  *cu64 = cu.dtype == dtype::kInt64;
+  *ci_data = ci.data;
+  *ci64 = ci.dtype == dtype::kInt64;
+  return ci.size(0);
+}
+
+void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handle g_obj, py::handle beta_obj,
+                 py::handle A_log_obj, py::handle dt_bias_obj, py::handle h0_obj, py::handle cu_obj, py::handle o_obj,
+                 py::handle ht_obj, py::handle Aqk_obj, py::handle Akk_obj, double scale, double lower_bound,
+                 bool use_qk_l2norm, bool use_beta_sigmoid, double beta_scale, bool state_v_first,
+                 int block_v, py::handle phase_cycles_obj, bool wgmma, int pass, py::handle rec_obj,
+                 int chunks_per_cta, int units, bool maps, py::handle seg_H_obj, py::handle seg_M_obj,
+                 py::handle h_inter_obj, py::handle chunk_offsets_obj, bool state_rs) {
+  TensorArg q = tensor_arg(q_obj, "q"), k = tensor_arg(k_obj, "k"), v = tensor_arg(v_obj, "v");
+  auto const [B, T, H, HV] = expect_qk_and_heads(q, k, v, {dtype::kBFloat16});
   TensorArg g = tensor_arg(g_obj, "g");
   expect_tensor(g, {dtype::kBFloat16}, {B, T, HV, kHeadDim}, "(B, T, HV, 128)", &q, 16);
   TensorArg beta = tensor_arg(beta_obj, "beta");
@@ -347,67 +385,25 @@ void kda_bwd_wy_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::ha
                     py::handle dv_obj, py::handle dq_obj, py::handle dk_obj, py::handle dv2_obj, py::handle dg_obj,
                     py::handle db_obj, py::handle dA_obj, double scale, bool state_v_first, py::handle cu_obj,
                     py::handle chunk_indices_obj) {
-  TensorArg q = tensor_arg(q_obj, "q");
-  expect_dtype(q, {dtype::kBFloat16});
-  expect_ndim(q, 4);
-  int64_t const B = q.size(0), T = q.size(1), H = q.size(2);
-  if (q.size(3) != kHeadDim) throw py::value_error("q: expected head dim 128, got shape " + q.shape_str());
-  expect_contiguous(q);
-  expect_aligned(q, 16);
-  expect_cuda(q);
-  TensorArg k = tensor_arg(k_obj, "k");
-  expect_tensor(k, {dtype::kBFloat16}, {B, T, H, kHeadDim}, "(B, T, H, 128) as q", &q, 16);
-  TensorArg v = tensor_arg(v_obj, "v");
-  expect_dtype(v, {dtype::kBFloat16});
-  expect_ndim(v, 4);
-  int64_t const HV = v.size(2);
-  if (v.size(0) != B || v.size(1) != T || v.size(3) != kHeadDim || HV < 1 || HV % H != 0) {
-    throw py::value_error("v: expected shape (B, T, HV, 128) = (" + std::to_string(B) + ", " + std::to_string(T) +
-                          ", HV, 128) with HV a multiple of H = " + std::to_string(H) + ", got " + v.shape_str());
-  }
-  expect_contiguous(v);
-  expect_aligned(v, 16);
-  expect_same_device(v, q);
-  std::initializer_list<int64_t> const vs = {B, T, HV, kHeadDim};
-  TensorArg v_new = tensor_arg(v_new_obj, "v_new");
-  expect_tensor(v_new, {dtype::kBFloat16}, vs, "(B, T, HV, 128) as v", &q, 16);
-  TensorArg dout = tensor_arg(do_obj, "do");
-  expect_tensor(dout, {dtype::kBFloat16}, vs, "(B, T, HV, 128) as v", &q, 16);
-  TensorArg dv = tensor_arg(dv_obj, "dv");
-  expect_tensor(dv, {dtype::kBFloat16}, vs, "(B, T, HV, 128) as v", &q, 16);
-  TensorArg g = tensor_arg(g_obj, "g");
-  expect_tensor(g, {dtype::kFloat32}, vs, "(B, T, HV, 128) as v", &q, 16);
+  TensorArg q = tensor_arg(q_obj, "q"), k = tensor_arg(k_obj, "k"), v = tensor_arg(v_obj, "v");
+  HeadDims const d = expect_qk_and_heads(q, k, v, {dtype::kBFloat16});
+  auto const [B, T, H, HV] = d;
+  auto value_rows = [&, B = B, T = T, HV = HV](py::handle obj, char const* name, DLDataType dt) {  // [B, T, HV, 128]
+    TensorArg x = tensor_arg(obj, name);
+    expect_tensor(x, {dt}, {B, T, HV, kHeadDim}, "(B, T, HV, 128) as v", &q, 16);
+    return x;
+  };
+  TensorArg const v_new = value_rows(v_new_obj, "v_new", dtype::kBFloat16);
+  TensorArg const dout = value_rows(do_obj, "do", dtype::kBFloat16), dv = value_rows(dv_obj, "dv", dtype::kBFloat16);
+  TensorArg const g = value_rows(g_obj, "g", dtype::kFloat32);
   TensorArg beta = tensor_arg(beta_obj, "beta");
   expect_tensor(beta, {dtype::kFloat32}, {B, T, HV}, "(B, T, HV)", &q);
   TensorArg A = tensor_arg(A_obj, "A");
   expect_tensor(A, {dtype::kBFloat16}, {B, T, HV, kChunk}, "(B, T, HV, 64)", &q, 16);
 
   KdaBwdWyParams p{};
-  int64_t chunks = B * ((T + kChunk - 1) / kChunk);
-  bool const varlen = !cu_obj.is_none();
-  if (varlen != !chunk_indices_obj.is_none()) {
-    throw py::value_error("cu_seqlens and chunk_indices: expected both or neither");
-  }
-  if (varlen) {
-    if (B != 1) throw py::value_error("q: expected batch size 1 with cu_seqlens, got " + std::to_string(B));
-    TensorArg cu = tensor_arg(cu_obj, "cu_seqlens");
-    expect_dtype(cu, {dtype::kInt32, dtype::kInt64});
-    expect_ndim(cu, 1);
-    if (cu.size(0) < 1) throw py::value_error("cu_seqlens: expected at least 1 entry (N+1 for N sequences), got 0");
-    expect_contiguous(cu);
-    expect_same_device(cu, q);
-    TensorArg ci = tensor_arg(chunk_indices_obj, "chunk_indices");
-    expect_dtype(ci, {dtype::kInt32, dtype::kInt64});
-    expect_ndim(ci, 2);
-    if (ci.size(1) != 2) throw py::value_error("chunk_indices: expected shape (chunks, 2), got " + ci.shape_str());
-    expect_contiguous(ci);
-    expect_same_device(ci, q);
-    chunks = ci.size(0);
-    p.cu_seqlens = cu.data;
-    p.cu_seqlens_int64 = cu.dtype == dtype::kInt64;
-    p.chunk_indices = ci.data;
-    p.chunk_indices_int64 = ci.dtype == dtype::kInt64;
-  }
+  int64_t const chunks = expect_chunk_list(cu_obj, chunk_indices_obj, q, d, &p.cu_seqlens, &p.cu_seqlens_int64,
+                                           &p.chunk_indices, &p.chunk_indices_int64);
   std::string const hw = "(B, NT, HV, 128, 128) with B * NT = chunks = " + std::to_string(chunks) + ", HV = " +
                          std::to_string(HV);
   TensorArg h = tensor_arg(h_obj, "h");
@@ -423,14 +419,8 @@ void kda_bwd_wy_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::ha
     expect_aligned(*x, 16);
     expect_same_device(*x, q);
   }
-  TensorArg dq = tensor_arg(dq_obj, "dq");
-  expect_tensor(dq, {dtype::kFloat32}, vs, "(B, T, HV, 128) as v", &q, 16);
-  TensorArg dk = tensor_arg(dk_obj, "dk");
-  expect_tensor(dk, {dtype::kFloat32}, vs, "(B, T, HV, 128) as v", &q, 16);
-  TensorArg dv2 = tensor_arg(dv2_obj, "dv2");
-  expect_tensor(dv2, {dtype::kBFloat16}, vs, "(B, T, HV, 128) as v", &q, 16);
-  TensorArg dg = tensor_arg(dg_obj, "dg");
-  expect_tensor(dg, {dtype::kFloat32}, vs, "(B, T, HV, 128) as v", &q, 16);
+  TensorArg const dq = value_rows(dq_obj, "dq", dtype::kFloat32), dk = value_rows(dk_obj, "dk", dtype::kFloat32);
+  TensorArg const dv2 = value_rows(dv2_obj, "dv2", dtype::kBFloat16), dg = value_rows(dg_obj, "dg", dtype::kFloat32);
   TensorArg db = tensor_arg(db_obj, "db");
   expect_tensor(db, {dtype::kFloat32}, {B, T, HV}, "(B, T, HV)", &q);
   TensorArg dA = tensor_arg(dA_obj, "dA");
