@@ -17,6 +17,7 @@
 #pragma once
 
 #include "kda_sm90/kda_bwd.h"
+#include "kda_sm90/kda_bwd_chunk.cuh"
 #include "kda_sm90/kda_fwd_kernel.cuh"
 
 namespace fla_cula::kda_sm90 {
@@ -92,23 +93,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
   int const r0 = 16 * (w & 3), c128 = 64 * (w >> 2), c64 = 32 * (w >> 2);
   int const HV = p.HV, hv = int(blockIdx.x % unsigned(HV)), hq = hv / (HV / p.H);
   int64_t const c = blockIdx.x / unsigned(HV);
-  int64_t bos, it, len;
-  if (p.chunk_indices != nullptr) {
-    auto at = [&](void const* x, int64_t i, bool i64) {
-      return i64 ? static_cast<int64_t const*>(x)[i] : int64_t(static_cast<int32_t const*>(x)[i]);
-    };
-    int64_t const n = at(p.chunk_indices, 2 * c, p.chunk_indices_int64);
-    it = at(p.chunk_indices, 2 * c + 1, p.chunk_indices_int64);
-    bos = at(p.cu_seqlens, n, p.cu_seqlens_int64);
-    len = at(p.cu_seqlens, n + 1, p.cu_seqlens_int64) - bos;
-  } else {
-    int64_t const nt = (p.T + kC - 1) / kC;
-    it = c % nt;
-    bos = c / nt * p.T;
-    len = p.T;
-  }
-  int64_t const t0 = bos + kC * it;
-  int const L = int(len - kC * it < kC ? len - kC * it : kC);
+  ChunkSpan const span = chunk_span(p, c);
+  int64_t const t0 = span.t0;
+  int const L = span.L;
   auto vrow = [&](int t) { return ((t0 + t) * HV + hv) * kK; };  // element offset of row t, [.., HV, 128] tensors
   auto qrow = [&](int t) { return ((t0 + t) * p.H + hq) * kK; };
 
