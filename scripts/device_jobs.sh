@@ -122,7 +122,7 @@ for j in "$@"; do
       job kda "${T_KDA:-400}" bash -c "$(declare -f kda_tests); kda_tests '$PWD'" ;;
     kdabwd)
       TAIL=${TAIL:-40} job kdabwd "${T_KDABWD:-420}" bash -c "
-        python -m pytest tests/gpu/test_kda_bwd.py -q -s -rfE -p no:cacheprovider 2>&1 | grep -E 'ours /|passed|failed|rror'
+        python -m pytest tests/gpu/test_kda_bwd*.py -q -s -rfE -p no:cacheprovider 2>&1 | grep -E 'ours /|passed|failed|rror'
         python -m pytest tests/gpu/test_kda_prefill.py tests/gpu/test_training_path.py -q -rfE -p no:cacheprovider \
           $XDIST -k 'test_grad and not dA_log or bit_identical' 2>&1 | tail -3
         python -m benchmarks.kda_bwd_wy
