@@ -1,6 +1,7 @@
-"""kda_bwd_wy alone against FLA's chunk_kda_bwd_wy_dqkg_fused, same inputs, same run.
+"""kda_bwd_wy (and kda_bwd_intra) alone against FLA's chunk_kda_bwd_wy_dqkg_fused (chunk_kda_bwd_intra), same
+inputs, same run.
 
-    python -m benchmarks.kda_bwd_wy [--rows '[[2,4096,32],[1,8192,32]]'] [--reps 50] [--vfirst 1]
+    python -m benchmarks.kda_bwd_wy [--rows '[[2,4096,32],[1,8192,32]]'] [--reps 50] [--vfirst 1] [--op wy intra]
 
 Random inputs of the training path's shapes (their values do not change the time); each side timed as the median of
 --reps CUDA-event intervals after a warm-up, in alternating order; the floor beside them is the kernel's bytes
@@ -57,6 +58,41 @@ def fla(x):
     return call
 
 
+def intra_inputs(B: int, T: int, HV: int) -> dict:
+    d = "cuda"
+    x = dict(q=torch.randn(B, T, HV, 128, device=d, dtype=torch.bfloat16) * 0.1,
+             k=torch.randn(B, T, HV, 128, device=d, dtype=torch.bfloat16) * 0.1,
+             g=(-torch.rand(B, T // 64, 64, HV, 128, device=d) * 7.2).cumsum(2).view(B, T, HV, 128),
+             beta=torch.rand(B, T, HV, device=d), db=torch.randn(B, T, HV, device=d))
+    for n in ("dAqk", "dAkk"):  # both kernels read only the triangle they need: the rest may hold anything
+        x[n] = torch.randn(B, T, HV, 64, device=d)
+    for n in ("dq", "dk", "dg"):
+        x[n] = torch.randn(B, T, HV, 128, device=d)
+    return x
+
+
+def ours_intra(x):
+    from fla_cula import _ext
+
+    C = _ext.require()
+    out = [torch.empty_like(x[n]) for n in ("dq", "dk", "dg", "db")]
+
+    def call():
+        C.kda_bwd_intra(x["q"], x["k"], x["g"], x["beta"], x["dAqk"], x["dAkk"], x["dq"], x["dk"], x["dg"], x["db"],
+                        *out, 5.0 / 0.6931471805599453)
+    return call
+
+
+def fla_intra(x):
+    from fla_cula.ops.kda_bwd import FLA_CHUNK_KDA_BWD_INTRA
+
+    def call():
+        FLA_CHUNK_KDA_BWD_INTRA(q=x["q"], k=x["k"], g=x["g"], beta=x["beta"], dAqk=x["dAqk"], dAkk=x["dAkk"],
+                                dq=x["dq"], dk=x["dk"], db=x["db"], dg=x["dg"], chunk_size=64, safe_gate=True,
+                                lower_bound=-5.0)
+    return call
+
+
 def _us(call, reps: int) -> list[float]:
     e = [(torch.cuda.Event(True), torch.cuda.Event(True)) for _ in range(reps)]
     for a, b in e:
@@ -79,25 +115,45 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="[[2,4096,32],[1,8192,32]]", help="JSON list of [B, T, HV]")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--vfirst", type=int, default=1, help="state layout: 1 V-first (the KDA layer's), 0 K-first")
+    ap.add_argument("--op", nargs="+", choices=("wy", "intra"), default=["wy", "intra"])
     a = ap.parse_args(argv)
-    print(f"{'B':>3} {'T':>6} {'HV':>4} {'FLA us':>9} {'ours us':>9} {'speedup':>8} {'floor us':>9}")
-    for B, T, HV in json.loads(a.rows):
+    print(f"{'op':>6} {'B':>3} {'T':>6} {'HV':>4} {'FLA us':>9} {'ours us':>9} {'speedup':>8} {'floor us':>9}")
+    for op in a.op:
+        for B, T, HV in json.loads(a.rows):
+            _row(op, B, T, HV, a)
+    return 0
+
+
+# bytes per (chunk, value head): wy reads q, k, v, v', do, dv, g, h, dh, Akk and writes dq, dk, dg, dv2, dA, db;
+# intra reads q, k, g, dAqk, dAkk, dq, dk, dg and writes dq, dk, dg
+BYTES = {"wy": 344e3, "intra": 290e3}
+
+
+def _row(op: str, B: int, T: int, HV: int, a) -> None:
+    from fla_cula import _ext
+
+    if op == "intra" and not hasattr(_ext.require(), "kda_bwd_intra"):
+        print(f"{op:>6} {B:>3} {T:>6} {HV:>4}  (this build has no kda_bwd_intra)")
+        return
+    if op == "wy":
         x = inputs(B, T, HV, bool(a.vfirst))
         calls = {"fla": fla(x), "ours": ours(x)}
-        for c in calls.values():
-            c()
-            c()
-        t = {n: [] for n in calls}
-        for _ in range(2):
-            for n, c in calls.items():
-                t[n] += _us(c, a.reps // 2)
-        med = {n: statistics.median(v) for n, v in t.items()}
-        copy = _copy_us(B * ((T + 63) // 64) * HV * 344e3)
-        print(f"{B:>3} {T:>6} {HV:>4} {med['fla']:9.1f} {med['ours']:9.1f} {med['fla'] / med['ours']:7.2f}x "
-              f"{copy:9.1f}")
-        del x, calls
-        torch.cuda.empty_cache()
-    return 0
+    else:
+        x = intra_inputs(B, T, HV)
+        calls = {"fla": fla_intra(x), "ours": ours_intra(x)}
+    for c in calls.values():
+        c()
+        c()
+    t = {n: [] for n in calls}
+    for _ in range(2):
+        for n, c in calls.items():
+            t[n] += _us(c, a.reps // 2)
+    med = {n: statistics.median(v) for n, v in t.items()}
+    copy = _copy_us(B * ((T + 63) // 64) * HV * BYTES[op])
+    print(f"{op:>6} {B:>3} {T:>6} {HV:>4} {med['fla']:9.1f} {med['ours']:9.1f} {med['fla'] / med['ours']:7.2f}x "
+          f"{copy:9.1f}")
+    del x, calls
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
