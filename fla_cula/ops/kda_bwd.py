@@ -24,8 +24,8 @@ from fla_cula import _ext, routing
 
 OP_WY = "chunk_kda_bwd_wy"
 FLA_CHUNK_KDA_BWD_WY = chunk_kda_bwd_wy_dqkg_fused
-# False: FLA's Triton kernel for the chunk-local gradients whatever the inputs (the training path is then FLA's
-# backward bit for bit; tests/gpu/test_training_path.py).
+# False: FLA's Triton kernel for the chunk-local gradients whatever the inputs. FLA_CULA_STAND_IN=1 turns it off too:
+# the stand-in's training path is FLA's backward bit for bit (tests/gpu/test_training_path.py, test_integration_gpu.py).
 WY_KERNEL = True
 
 
@@ -57,7 +57,7 @@ def wy_reason(q, k, v, v_new, g, beta, A, h, do, dh, dv, chunk_size: int) -> str
 def bwd_wy(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_first, cu_seqlens, chunk_size, chunk_indices,
            chunk_offsets):
     """FLA's chunk_kda_bwd_wy_dqkg_fused (same arguments and results): -> dq, dk, dv, db, dg, dA."""
-    use = WY_KERNEL and routing.enabled()
+    use = WY_KERNEL and routing.enabled() and not routing.stand_in()
     reason = wy_reason(q, k, v, v_new, g, beta, A, h, do, dh, dv, chunk_size) if use else None
     if not use or reason is not None:
         if reason is not None:
