@@ -5,8 +5,8 @@ outputs and every gradient must be bit-identical to plain FLA's on the same inpu
 so a silent fallback fails. Where FLA's own backward is not bit-reproducible run to run (a reduction
 order that changes), the test says so and holds fla_cula to FLA's own run-to-run difference instead.
 When a kernel replaces the forward, these tests keep checking the plumbing and only the forward's
-error (tests of the kernel itself) remains to examine. The backward's kernel (kda_bwd.WY_KERNEL) is off here;
-tests/gpu/test_kda_bwd.py and test_kda_prefill.py's test_grad judge it.
+error (tests of the kernel itself) remains to examine. FLA_CULA_STAND_IN=1 also keeps FLA's kernels in the KDA
+backward (fla_cula.ops.kda_bwd); tests/gpu/test_kda_bwd.py and test_kda_prefill.py's test_grad judge ours.
 """
 
 import pytest
@@ -17,7 +17,6 @@ import fla_cula
 from fla_cula import routing
 from fla_cula.ops import chunk_autograd as ca
 from fla_cula.ops import kda as ops_kda
-from fla_cula.ops import kda_bwd
 from fla_cula.ops import lightning_attn as ops_la
 
 
@@ -25,7 +24,6 @@ from fla_cula.ops import lightning_attn as ops_la
 def _stand_in(monkeypatch, strict_mode):
     monkeypatch.setenv("FLA_CULA_STAND_IN", "1")
     monkeypatch.setenv("FLA_FLASH_KDA", "0")
-    monkeypatch.setattr(kda_bwd, "WY_KERNEL", False)
     fla_cula.reset_status()
     yield
     fla_cula.reset_status()
