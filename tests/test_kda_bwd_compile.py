@@ -17,7 +17,11 @@ from fla_cula.reference.compare import rel_rms
 from fla_cula.reference.kda import bwd_wy_reference
 from tests.test_kda_prefill_compile import EMULATOR_CPP, build_emulator
 
+# the forward's emulator prelude with its per-warp exchange arrays sized for the backward's 16 warps
 _PRELUDE = EMULATOR_CPP.split("#define FLA_CULA_KDA_HOST_EMULATION 1")[0]
+for _name in ("g_wbar", "g_x", "g_a", "g_b", "g_c", "g_sp", "g_sr", "g_lp"):
+    assert f"{_name}[8]" in _PRELUDE, _name
+    _PRELUDE = _PRELUDE.replace(f"{_name}[8]", f"{_name}[16]")
 
 EMULATOR_BWD_CPP = _PRELUDE + r"""
 #include <atomic>
@@ -56,7 +60,7 @@ extern "C" void emu_bwd_wy(void const* q, void const* k, void const* v, void con
   p.cu_seqlens = cu; p.cu_seqlens_int64 = cu64; p.chunk_indices = ci; p.chunk_indices_int64 = ci64;
   std::barrier<> bar(kda_sm90::kBwdThreads);
   g_bar = &bar;
-  for (int w = 0; w < 8; ++w) g_wbar[w] = new std::barrier<>(32);
+  for (int w = 0; w < kda_sm90::kBwdWarps; ++w) g_wbar[w] = new std::barrier<>(32);
   static_assert(kda_sm90::kBwdWySmemBytes <= int(sizeof(smem_raw)));
   for (int b = 0; b < chunks * HV; ++b) {
     blockIdx.x = b;
@@ -69,7 +73,7 @@ extern "C" void emu_bwd_wy(void const* q, void const* k, void const* v, void con
       });
     for (auto& x : th) x.join();
   }
-  for (int w = 0; w < 8; ++w) delete g_wbar[w];
+  for (int w = 0; w < kda_sm90::kBwdWarps; ++w) delete g_wbar[w];
 }
 """
 

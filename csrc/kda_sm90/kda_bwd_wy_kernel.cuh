@@ -1,6 +1,6 @@
 // Device code of kda_bwd_wy (kda_bwd.h): the chunk-local gradients of KDA after the state pass backward.
 //
-// One CTA (8 warps) per (chunk c, value head hv); tokens t, s, j < 64 of the chunk, channels k < 128, values
+// One CTA (16 warps) per (chunk c, value head hv); tokens t, s, j < 64 of the chunk, channels k < 128, values
 // v < 128. bA[t][s] = Akk[s][t] (FLA reads Akk transposed); H[v][k] the chunk-start state as read by FLA
 // (S^T), dH likewise; e = exp2(g[t][k]), n the chunk's last row, L its length. Rows t >= L load as zero.
 //   dvb = bA dv                      dv2 = dvb diag(beta)           db  = rowsum(dvb * v)
@@ -13,7 +13,8 @@
 //   X   = bf16(M(dA) diag(beta)),  dA_out = -M(bA bf16(X Akk))  (M: strictly lower, both rows < L)
 // Products are warp mma.sync m16n8k16 over shared-memory tiles (ldmatrix, .trans for operands stored with the
 // reduced index across rows), so no tile is stored twice. Warp w owns rows 16 (w % 4) .. + 15 and columns
-// 64 (w / 4) .. + 63 of a 64 x 128 result (32 (w / 4) .. + 31 of a 64 x 64 one).
+// 32 (w / 4) .. + 31 of a 64 x 128 result (16 (w / 4) .. + 15 of a 64 x 64 one). Sixteen warps at <= 128
+// registers: the CTA is alone on its SM (shared memory), so its warps are all the latency hiding there is.
 #pragma once
 
 #include "kda_sm90/kda_bwd.h"
@@ -22,7 +23,10 @@
 
 namespace fla_cula::kda_sm90 {
 
-constexpr int kBwdThreads = 256;
+constexpr int kBwdWarps = 16;
+constexpr int kBwdThreads = 32 * kBwdWarps;
+constexpr int kNT128 = 128 / (kBwdWarps / 4) / 8;  // 8-column tiles of a warp's share of a 64 x 128 result
+constexpr int kNT64 = 64 / (kBwdWarps / 4) / 8;    // and of a 64 x 64 one
 
 // ldmatrix.sync.aligned.m8n8.x4.trans: as ldmatrix_x4, each 8 x 8 tile transposed (register i of lane l: stored
 // rows 2 (l % 4) and + 1 of tile i at column l / 4).
@@ -71,7 +75,7 @@ __device__ __forceinline__ float2 ld_bf16x2(void const* p) {
   return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
 }
 
-// Shared memory (~164 KB, one CTA per SM). The 64 x 128 tiles die in phases and take the later tiles' places.
+// Shared memory (~214 KB, one CTA per SM). The 64 x 128 tiles die in phases and take the later tiles' places.
 struct BwdWyStorage {
   bf16 dout[kC * kLdK];  // do; then bf16(Y) [64][kLdC]
   bf16 vn[kC * kLdK];    // v'; then X [64][kLdC]
@@ -80,7 +84,9 @@ struct BwdWyStorage {
   bf16 h[kK * kLdK];     // the state as stored ([v][k] with state_v_first, else [k][v])
   bf16 dh[kK * kLdK];
   bf16 A[kC * kLdC];     // Akk rows as stored: A[s][t] = bA[t][s]
-  float dA[kC * kLdF];
+  bf16 q[kC * kLdK];     // the epilogues' operands at the accumulator positions, loaded with the tiles
+  bf16 k[kC * kLdK];
+  float g[kC * kLdG];
   float beta[kC], gn[kK], dgk[kK], db[kC];
 };
 constexpr int kBwdWySmemBytes = int(sizeof(BwdWyStorage));
@@ -90,7 +96,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
   extern __shared__ __align__(128) unsigned char smem_raw[];
   BwdWyStorage& sm = *reinterpret_cast<BwdWyStorage*>(smem_raw);
   int const tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g8 = lane >> 2, t4 = lane & 3;
-  int const r0 = 16 * (w & 3), c128 = 64 * (w >> 2), c64 = 32 * (w >> 2);
+  int const r0 = 16 * (w & 3), c128 = 8 * kNT128 * (w >> 2), c64 = 8 * kNT64 * (w >> 2);
   int const HV = p.HV, hv = int(blockIdx.x % unsigned(HV)), hq = hv / (HV / p.H);
   int64_t const c = blockIdx.x / unsigned(HV);
   ChunkSpan const span = chunk_span(p, c);
@@ -99,7 +105,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
   auto vrow = [&](int t) { return ((t0 + t) * HV + hv) * kK; };  // element offset of row t, [.., HV, 128] tensors
   auto qrow = [&](int t) { return ((t0 + t) * p.H + hq) * kK; };
 
-  // 1. loads: do, v', dv, v, H, dH, Akk to shared memory (rows >= L zero); beta, g_n
+  // 1. loads: do, v', dv, v, H, dH, Akk, q, k, g to shared memory (rows >= L zero); beta, g_n
   {
     bf16 const* src[4] = {static_cast<bf16 const*>(p.dout), static_cast<bf16 const*>(p.v_new),
                           static_cast<bf16 const*>(p.dv), static_cast<bf16 const*>(p.v)};
@@ -107,7 +113,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
 #pragma unroll
     for (int x = 0; x < 4; ++x)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
+      for (int r = 0; r < kC * 16 / kBwdThreads; ++r) {
         int const i = tid + kBwdThreads * r, t = i >> 4, u = 8 * (i & 15);
         cp_async16(dst[x] + t * kLdK + u, src[x] + (t < L ? vrow(t) : 0) + u, t < L);
       }
@@ -115,14 +121,25 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
     bf16 const* hs = static_cast<bf16 const*>(p.h) + hoff;
     bf16 const* dhs = static_cast<bf16 const*>(p.dh) + hoff;
 #pragma unroll
-    for (int r = 0; r < 8; ++r) {
+    for (int r = 0; r < kK * 16 / kBwdThreads; ++r) {
       int const i = tid + kBwdThreads * r, row = i >> 4, u = 8 * (i & 15);
       cp_async16(sm.h + row * kLdK + u, hs + row * kK + u, true);
       cp_async16(sm.dh + row * kLdK + u, dhs + row * kK + u, true);
     }
+#pragma unroll
+    for (int r = 0; r < kC * 16 / kBwdThreads; ++r) {
+      int const i = tid + kBwdThreads * r, t = i >> 4, u = 8 * (i & 15);
+      cp_async16(sm.q + t * kLdK + u, static_cast<bf16 const*>(p.q) + (t < L ? qrow(t) : 0) + u, t < L);
+      cp_async16(sm.k + t * kLdK + u, static_cast<bf16 const*>(p.k) + (t < L ? qrow(t) : 0) + u, t < L);
+    }
+#pragma unroll
+    for (int r = 0; r < kC * 32 / kBwdThreads; ++r) {
+      int const i = tid + kBwdThreads * r, t = i >> 5, u = 4 * (i & 31);
+      cp_async16(sm.g + t * kLdG + u, p.g + (t < L ? vrow(t) : 0) + u, t < L);
+    }
     bf16 const* As = static_cast<bf16 const*>(p.A);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < kC * 8 / kBwdThreads; ++r) {
       int const i = tid + kBwdThreads * r, t = i >> 3, u = 8 * (i & 7);
       cp_async16(sm.A + t * kLdC + u, As + (t < L ? ((t0 + t) * HV + hv) * kC : 0) + u, t < L);
     }
@@ -139,12 +156,12 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
   float dbp[2] = {0.f, 0.f};  // this thread's share of db, rows r0 + g8 and + 8
   // 2. dvb = bA dv: dv2 and the first part of db
   {
-    float acc[8][4];
+    float acc[kNT128][4];
     zero(acc);
-    warp_mma<8, kC, true, true>(acc, sm.A + r0, kLdC, sm.dv + c128, kLdK, lane);
+    warp_mma<kNT128, kC, true, true>(acc, sm.A + r0, kLdC, sm.dv + c128, kLdK, lane);
     bf16* dv2 = static_cast<bf16*>(p.dv2);
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+    for (int nt = 0; nt < kNT128; ++nt)
 #pragma unroll
       for (int hi = 0; hi < 2; ++hi) {
         int const t = r0 + g8 + 8 * hi, col = c128 + 8 * nt + 2 * t4;
@@ -154,20 +171,14 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
         if (t < L) *reinterpret_cast<__nv_bfloat162*>(dv2 + vrow(t) + col) = __floats2bfloat162_rn(a0 * b, a1 * b);
       }
   }
-  // 3. dA = dv v^T (kept in shared memory, this warp's entries)
-  {
-    float acc[4][4];
-    zero(acc);
-    warp_mma<4, kK, false, false>(acc, sm.dv + r0 * kLdK, kLdK, sm.v + c64 * kLdK, kLdK, lane);
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sm.dA[(r0 + g8 + 8 * (e >> 1)) * kLdF + c64 + 8 * nt + 2 * t4 + (e & 1)] = acc[nt][e];
-  }
+  // 3. dA = dv v^T (this warp's entries, in registers until step 9)
+  float dA[kNT64][4];
+  zero(dA);
+  warp_mma<kNT64, kK, false, false>(dA, sm.dv + r0 * kLdK, kLdK, sm.v + c64 * kLdK, kLdK, lane);
   // 4. dv H (to become dw), and exp2(g_n) colsum(H * dH)
-  float acc[8][4];
+  float acc[kNT128][4];
   zero(acc);
-  warp_mma<8, kK, false, kVFirst>(acc, sm.dv + r0 * kLdK, kLdK, sm.h + (kVFirst ? c128 : c128 * kLdK), kLdK, lane);
+  warp_mma<kNT128, kK, false, kVFirst>(acc, sm.dv + r0 * kLdK, kLdK, sm.h + (kVFirst ? c128 : c128 * kLdK), kLdK, lane);
   if (tid < kK) {
     float s = 0.f;
 #pragma unroll 8
@@ -179,7 +190,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
   }
   __syncthreads();  // dv and v are dead
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
+  for (int nt = 0; nt < kNT128; ++nt)
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {
       int const t = r0 + g8 + 8 * hi, col = c128 + 8 * nt + 2 * t4;
@@ -187,40 +198,40 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
           __floats2bfloat162_rn(-acc[nt][2 * hi], -acc[nt][2 * hi + 1]);
     }
 
-  float dg[8][4];  // dg of this warp's entries, summed over the steps below
+  float dg[kNT128][4];  // dg of this warp's entries, summed over the steps below
   // 5. dq = scale e (do H)
   zero(acc);
-  warp_mma<8, kK, false, kVFirst>(acc, sm.dout + r0 * kLdK, kLdK, sm.h + (kVFirst ? c128 : c128 * kLdK), kLdK,
+  warp_mma<kNT128, kK, false, kVFirst>(acc, sm.dout + r0 * kLdK, kLdK, sm.h + (kVFirst ? c128 : c128 * kLdK), kLdK,
                                   lane);
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
+  for (int nt = 0; nt < kNT128; ++nt)
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {
       int const t = r0 + g8 + 8 * hi, col = c128 + 8 * nt + 2 * t4;
       float2 d = make_float2(0.f, 0.f), q = d;
       if (t < L) {
-        float2 const gg = *reinterpret_cast<float2 const*>(p.g + vrow(t) + col);
+        float2 const gg = *reinterpret_cast<float2 const*>(sm.g + t * kLdG + col);
         d = make_float2(acc[nt][2 * hi] * exp2f(gg.x) * p.scale, acc[nt][2 * hi + 1] * exp2f(gg.y) * p.scale);
         *reinterpret_cast<float2*>(p.dq + vrow(t) + col) = d;
-        q = ld_bf16x2(static_cast<bf16 const*>(p.q) + qrow(t) + col);
+        q = ld_bf16x2(sm.q + t * kLdK + col);
       }
       dg[nt][2 * hi] = q.x * d.x;
       dg[nt][2 * hi + 1] = q.y * d.y;
     }
   // 6. dk' = exp2(g_n - g) (v' dH); dg -= k dk'; colsum(k dk') into dgk; kg = k e to shared memory (dv's place)
-  float dk[8][4];
+  float dk[kNT128][4];
   zero(dk);
-  warp_mma<8, kK, false, kVFirst>(dk, sm.vn + r0 * kLdK, kLdK, sm.dh + (kVFirst ? c128 : c128 * kLdK), kLdK, lane);
+  warp_mma<kNT128, kK, false, kVFirst>(dk, sm.vn + r0 * kLdK, kLdK, sm.dh + (kVFirst ? c128 : c128 * kLdK), kLdK, lane);
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
+  for (int nt = 0; nt < kNT128; ++nt) {
     float cs[2] = {0.f, 0.f};
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {
       int const t = r0 + g8 + 8 * hi, col = c128 + 8 * nt + 2 * t4;
       float2 kk = make_float2(0.f, 0.f), kg = kk;
       if (t < L) {
-        float2 const gg = *reinterpret_cast<float2 const*>(p.g + vrow(t) + col);
-        kk = ld_bf16x2(static_cast<bf16 const*>(p.k) + qrow(t) + col);
+        float2 const gg = *reinterpret_cast<float2 const*>(sm.g + t * kLdG + col);
+        kk = ld_bf16x2(sm.k + t * kLdK + col);
         dk[nt][2 * hi] *= exp2f(sm.gn[col] - gg.x);
         dk[nt][2 * hi + 1] *= exp2f(sm.gn[col + 1] - gg.y);
         kg = make_float2(kk.x * exp2f(gg.x), kk.y * exp2f(gg.y));
@@ -245,30 +256,29 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
     }
   }
   __syncthreads();  // dw and kg complete; dgk complete
-  // 7. dA += dw bf16(kg)^T (this warp's entries)
-  {
-    float a[4][4];
+  // 7. dA += dw bf16(kg)^T (this warp's entries), then X = bf16(M(dA) diag(beta)) in v''s place
+  warp_mma<kNT64, kK, false, false>(dA, sm.v + r0 * kLdK, kLdK, sm.dv + c64 * kLdK, kLdK, lane);
+  bf16* const X = sm.vn;
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+  for (int nt = 0; nt < kNT64; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) a[nt][e] = sm.dA[(r0 + g8 + 8 * (e >> 1)) * kLdF + c64 + 8 * nt + 2 * t4 + (e & 1)];
-    warp_mma<4, kK, false, false>(a, sm.v + r0 * kLdK, kLdK, sm.dv + c64 * kLdK, kLdK, lane);
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sm.dA[(r0 + g8 + 8 * (e >> 1)) * kLdF + c64 + 8 * nt + 2 * t4 + (e & 1)] = a[nt][e];
-  }
+    for (int hi = 0; hi < 2; ++hi) {
+      int const t = r0 + g8 + 8 * hi, s = c64 + 8 * nt + 2 * t4;
+      float const x0 = (s < t && t < L) ? dA[nt][2 * hi] * sm.beta[s] : 0.f;
+      float const x1 = (s + 1 < t && t < L) ? dA[nt][2 * hi + 1] * sm.beta[s + 1] : 0.f;
+      *reinterpret_cast<__nv_bfloat162*>(X + t * kLdC + s) = __floats2bfloat162_rn(x0, x1);
+    }
   // 8. dkgb = bA dw: db, dg and dk
   zero(acc);
-  warp_mma<8, kC, true, true>(acc, sm.A + r0, kLdC, sm.v + c128, kLdK, lane);
+  warp_mma<kNT128, kC, true, true>(acc, sm.A + r0, kLdC, sm.v + c128, kLdK, lane);
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
+  for (int nt = 0; nt < kNT128; ++nt)
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {
       int const t = r0 + g8 + 8 * hi, col = c128 + 8 * nt + 2 * t4;
       if (t >= L) continue;
-      float2 const gg = *reinterpret_cast<float2 const*>(p.g + vrow(t) + col);
-      float2 const kk = ld_bf16x2(static_cast<bf16 const*>(p.k) + qrow(t) + col);
+      float2 const gg = *reinterpret_cast<float2 const*>(sm.g + t * kLdG + col);
+      float2 const kk = ld_bf16x2(sm.k + t * kLdK + col);
       float const e0 = exp2f(gg.x), e1 = exp2f(gg.y), b = sm.beta[t];
       float const kg0 = kk.x * e0, kg1 = kk.y * e1, x0 = acc[nt][2 * hi], x1 = acc[nt][2 * hi + 1];
       dbp[hi] += x0 * kg0 + x1 * kg1;
@@ -288,33 +298,24 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
     x += __shfl_xor_sync(0xffffffffu, x, 2);
     if (t4 == 0) atomicAdd(&sm.db[r0 + g8 + 8 * hi], x);
   }
-  __syncthreads();  // dA and db complete
+  __syncthreads();  // db and X complete
   if (tid < L) p.db[(t0 + tid) * HV + hv] = sm.db[tid];
-  // 9. X = bf16(M(dA) diag(beta)) in v''s place, Y = bf16(X Akk) in do's place, dA_out = -M(bA Y)
-  bf16* const X = sm.vn;
+  // 9. Y = bf16(X Akk) in do's place, dA_out = -M(bA Y)
   bf16* const Y = sm.dout;
-#pragma unroll
-  for (int r = 0; r < kC * kC / 2 / kBwdThreads; ++r) {
-    int const i = tid + kBwdThreads * r, t = i >> 5, s = 2 * (i & 31);
-    float const x0 = (s < t && t < L) ? sm.dA[t * kLdF + s] * sm.beta[s] : 0.f;
-    float const x1 = (s + 1 < t && t < L) ? sm.dA[t * kLdF + s + 1] * sm.beta[s + 1] : 0.f;
-    *reinterpret_cast<__nv_bfloat162*>(X + t * kLdC + s) = __floats2bfloat162_rn(x0, x1);
-  }
-  __syncthreads();
-  float y[4][4];
+  float y[kNT64][4];
   zero(y);
-  warp_mma<4, kC, false, false>(y, X + r0 * kLdC, kLdC, sm.A + c64 * kLdC, kLdC, lane);
+  warp_mma<kNT64, kC, false, false>(y, X + r0 * kLdC, kLdC, sm.A + c64 * kLdC, kLdC, lane);
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt)
+  for (int nt = 0; nt < kNT64; ++nt)
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi)
       *reinterpret_cast<__nv_bfloat162*>(Y + (r0 + g8 + 8 * hi) * kLdC + c64 + 8 * nt + 2 * t4) =
           __floats2bfloat162_rn(y[nt][2 * hi], y[nt][2 * hi + 1]);
   __syncthreads();
   zero(y);
-  warp_mma<4, kC, true, true>(y, sm.A + r0, kLdC, Y + c64, kLdC, lane);
+  warp_mma<kNT64, kC, true, true>(y, sm.A + r0, kLdC, Y + c64, kLdC, lane);
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt)
+  for (int nt = 0; nt < kNT64; ++nt)
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {
       int const t = r0 + g8 + 8 * hi, s = c64 + 8 * nt + 2 * t4;
