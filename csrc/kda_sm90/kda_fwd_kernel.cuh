@@ -787,8 +787,8 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
     return int(left < kC ? left : kC);
   };
   // Loads of chunk c (rows >= its length zero): q, k rows -> u1.raw and g rows -> u3.graw by cp.async
-  // (waited for at the barrier that ends the previous chunk); v and beta through registers (vv, bv),
-  // stored to vT / beta by store_vb. kPrep reads no v, kState no q, k, g, beta (its records hold what they give).
+  // (waited for at the barrier that ends the previous chunk); v and raw beta through registers (vv, bv), stored to
+  // vT / beta by store_vb (beta's sigmoid there, so that no warp waits for the load where it is issued). kPrep reads no v, kState no q, k, g, beta (its records hold what they give).
   // rows of chunk c (128 channels, 16-byte copies) from src (token stride ld) to dst, and to dst2 from src2 when given
   auto issue_rows = [&](int c, bf16 (&dst)[kC][kLdK], bf16 const* src, bf16 (*dst2)[kLdK], bf16 const* src2,
                         int64_t ld) {
@@ -810,6 +810,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   constexpr int kVLoads = kC * (kBV / 8) / kThreads;  // 16-byte v loads per thread and chunk
   uint4 vv[kVLoads];
   float bv = 0.f;
+  bool bvin = false;  // bv holds a row's raw beta (not a row past the chunk's end: 0)
   // 16-byte load u of a thread: token i, columns c8 .. c8 + 7 (a warp's load covers whole v rows). kWgmma: loads
   // u and u + 1 (u even) are tokens i and i + 1 of the same columns, so store_vb writes token pairs (4 bytes)
   auto v_slot = [&](int u, int& i, int& c8) {
@@ -836,11 +837,8 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       }
     }
     if constexpr (kPass != kKdaState) {
-      bv = 0.f;
-      if (tid < rw) {
-        bv = load_param(p.beta, p.beta_fp32, (t0 + tid) * p.beta_tok_stride + hv);
-        if (p.use_beta_sigmoid) bv = p.beta_scale * sigmoidf_(bv);
-      }
+      bvin = tid < rw;
+      bv = bvin ? load_param(p.beta, p.beta_fp32, (t0 + tid) * p.beta_tok_stride + hv) : 0.f;
     }
   };
   auto store_vb = [&]() {
@@ -891,7 +889,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       }
     }
     if constexpr (kPass != kKdaState) {
-      if (tid < kC) sm.beta[tid] = bv;
+      if (tid < kC) sm.beta[tid] = bvin && p.use_beta_sigmoid ? p.beta_scale * sigmoidf_(bv) : bv;
     }
   };
 
@@ -1527,7 +1525,10 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       mark(5);
       if (prefetch) {
         issue_qk(chunk + 1);  // u1.raw: X (kPrep: L) was last read above (barrier between)
-        if constexpr (kPass == kKdaPrep) issue_g(chunk + 1);  // u3.graw: kPrep's X was last read above
+        if constexpr (kPass == kKdaPrep) {
+          issue_g(chunk + 1);  // u3.graw: kPrep's X was last read above
+          load_vb(chunk + 1);  // raw beta into a register, stored after phase 6
+        }
       }
 
       // ---- 6: -W = -(X diag b) Kg : 64 x 128, warp = (row tile w/2, 64 columns), or (kWgmma) warpgroup = 64 columns
@@ -1560,10 +1561,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
 
       if constexpr (kPass == kKdaPrep) {
         write_record(chunk);  // akkb, -W (staged in Kf's storage) and gamma; Qg, Kd, Aqk went from registers
-        if (prefetch) {
-          load_vb(chunk + 1);
-          store_vb();  // beta last read in phase 5 (barriers between)
-        }
+        if (prefetch) store_vb();  // beta last read in phase 5 (barriers between); loaded before phase 6
         cp_async_wait_all();
         __syncthreads();
       } else {
