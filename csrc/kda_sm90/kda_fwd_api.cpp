@@ -1,6 +1,6 @@
 // Python binding of the KDA prefill kernels (the fused forward, its combine, the backward's kda_bwd_wy): tensors
-// in (DLPack), checks, the kernel's Params, launch on the caller's current stream of q's device. Every check reads metadata only and runs before any CUDA
-// call, so the errors are the same (and testable) on a machine without a GPU.
+// in (DLPack), checks, the kernel's Params, launch on the caller's current stream of q's device. Every check reads
+// metadata only and runs before any CUDA call, so the errors are the same (and testable) on a machine without a GPU.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>

@@ -788,7 +788,8 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   };
   // Loads of chunk c (rows >= its length zero): q, k rows -> u1.raw and g rows -> u3.graw by cp.async
   // (waited for at the barrier that ends the previous chunk); v and raw beta through registers (vv, bv), stored to
-  // vT / beta by store_vb (beta's sigmoid there, so that no warp waits for the load where it is issued). kPrep reads no v, kState no q, k, g, beta (its records hold what they give).
+  // vT / beta by store_vb (beta's sigmoid there, so that no warp waits for the load where it is issued). kPrep
+  // reads no v, kState no q, k, g, beta (its records hold what they give).
   // rows of chunk c (128 channels, 16-byte copies) from src (token stride ld) to dst, and to dst2 from src2 when given
   auto issue_rows = [&](int c, bf16 (&dst)[kC][kLdK], bf16 const* src, bf16 (*dst2)[kLdK], bf16 const* src2,
                         int64_t ld) {
