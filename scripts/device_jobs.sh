@@ -36,9 +36,9 @@ OUT="${1:?usage: scripts/device_jobs.sh OUT JOB...}"; shift
 mkdir -p "$OUT"; OUT="$(cd "$OUT" && pwd)"
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# the commit, +wt when tracked files differ from it (a patch applied to the tree sent)
-export FLA_CULA_COMMIT="${FLA_CULA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD \
-  -- 2>/dev/null || echo +wt)}"
+# the commit, -dirty when tracked files differ from it (a patch applied to the tree sent), as parity.machine names it
+export FLA_CULA_COMMIT="${FLA_CULA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(
+  [[ -n $(git status --porcelain --untracked-files=no 2>/dev/null) ]] && echo -dirty)}"
 export TRITON_CACHE_DIR="$HOME/.triton/cache" TRITON_CACHE_AUTOTUNING=1
 if [[ ! -f $HOME/.triton/.restored ]]; then
   for tgz in .tcache/triton_autotune.tgz benchmarks/results/triton_autotune_H200.tgz; do
