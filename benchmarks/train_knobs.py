@@ -1,9 +1,9 @@
 """The chunk_kda training step with each of fla_cula's backward knobs off in turn, FLA beside it, one process.
 
-    python -m benchmarks.train_knobs [--rows '[[2,4096,32],[1,8192,32]]'] [--reps 20]
+    python -m benchmarks.train_knobs [--rows '[[2,4096,32],[1,8192,32]]']
 
 The peers harness's training step (benchmarks.peers: random gates, FLA's layer flags, forward + backward with do
-and dht); ms per step as the median of --reps CUDA-event intervals after two warm-up steps. Settings: FLA, fla_cula
+and dht); ms per step as the harness's do_bench median (its fwdbwd mode's clock). Settings: FLA, fla_cula
 with every knob of fla_cula.ops.kda_bwd on, then with one knob off at a time (the knobs this build has: WY_KERNEL,
 INTRA_KERNEL, FUSED_INTRA, FUSED_L2NORM, FUSED_GATE), so each fused part's share of the step is read in one run.
 """
@@ -12,39 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
+from benchmarks.harness import _do_bench
+from benchmarks.train_profile import training_step
+
 KNOBS = ("WY_KERNEL", "INTRA_KERNEL", "FUSED_INTRA", "FUSED_L2NORM", "FUSED_GATE")
-
-
-def _step(impl: str, B: int, T: int, H: int):
-    from benchmarks.peers import _backward_step, make_inputs, prepare
-    from benchmarks.registry import _S
-
-    s = _S(B, T, H)
-    x = make_inputs(s, "random", torch.device("cuda"), grad=True)
-    p = prepare(impl, s, x)
-    step = _backward_step(p, x)
-
-    def run():
-        for t in p.grad_leaves:
-            t.grad = None
-        step()
-    return run
-
-
-def _ms(run, reps: int) -> float:
-    run()
-    run()
-    e = [(torch.cuda.Event(True), torch.cuda.Event(True)) for _ in range(reps)]
-    for a, b in e:
-        a.record()
-        run()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in e)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,21 +26,20 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="[[2,4096,32],[1,8192,32]]", help="JSON list of [B, T, H]")
-    ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args(argv)
     knobs = [k for k in KNOBS if hasattr(kda_bwd, k)]
     print(f"{'B':>3} {'T':>6} {'H':>4}  {'setting':<20} {'ms':>8} {'vs FLA':>7}")
     with torch.enable_grad():
         for B, T, H in json.loads(a.rows):
-            fla = _ms(_step("fla", B, T, H), a.reps)
+            fla = _do_bench(training_step("fla", B, T, H))
             print(f"{B:>3} {T:>6} {H:>4}  {'FLA':<20} {fla:8.3f} {1.0:6.2f}x")
-            run = _step("fla_cula", B, T, H)
+            run = training_step("fla_cula", B, T, H)
             for off in (None, *knobs):
                 saved = {k: getattr(kda_bwd, k) for k in knobs}
                 try:
                     for k in knobs:
                         setattr(kda_bwd, k, k != off)
-                    ms = _ms(run, a.reps)
+                    ms = _do_bench(run)
                 finally:
                     for k, v in saved.items():
                         setattr(kda_bwd, k, v)

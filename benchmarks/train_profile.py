@@ -17,23 +17,28 @@ import os
 import torch
 
 
-def step_kernels(impl: str, B: int, T: int, H: int, n: int) -> dict[str, float]:
-    from benchmarks.model import kernel_times
+def training_step(impl: str, B: int, T: int, H: int):
+    """The peers harness's training step of impl at (B, T, H), random gates: a callable (call it under grad)."""
     from benchmarks.peers import _backward_step, make_inputs, prepare
     from benchmarks.registry import _S
 
     s = _S(B, T, H)
     x = make_inputs(s, "random", torch.device("cuda"), grad=True)
+    p = prepare(impl, s, x)
+    step = _backward_step(p, x)
+
+    def run():
+        for t in p.grad_leaves:
+            t.grad = None
+        step()
+    return run
+
+
+def step_kernels(impl: str, B: int, T: int, H: int, n: int) -> dict[str, float]:
+    from benchmarks.model import kernel_times
+
     with torch.enable_grad():
-        p = prepare(impl, s, x)
-        step = _backward_step(p, x)
-
-        def run():
-            for t in p.grad_leaves:
-                t.grad = None
-            step()
-
-        return kernel_times(run, n)
+        return kernel_times(training_step(impl, B, T, H), n)
 
 
 def main(argv: list[str] | None = None) -> int:
