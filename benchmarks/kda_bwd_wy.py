@@ -1,7 +1,11 @@
 """kda_bwd_wy (and kda_bwd_intra) alone against FLA's chunk_kda_bwd_wy_dqkg_fused (chunk_kda_bwd_intra), same
 inputs, same run.
 
-    python -m benchmarks.kda_bwd_wy [--rows '[[2,4096,32],[1,8192,32]]'] [--reps 50] [--vfirst 1] [--op wy intra]
+    python -m benchmarks.kda_bwd_wy [--rows '[[2,4096,32],[1,8192,32]]'] [--reps 50] [--vfirst 1]
+                                    [--op wy intra pair fused]
+
+Ops: wy, intra (each kernel against FLA's); pair (our two kernels in sequence) and fused (kda_bwd_wy with the intra
+step fused in), each against FLA's two kernels in sequence.
 
 Random inputs of the training path's shapes (their values do not change the time); each side timed as the median of
 --reps CUDA-event intervals after a warm-up, in alternating order; the floor beside them is the kernel's bytes
@@ -52,9 +56,10 @@ def fla(x):
     from fla_cula.ops.kda_bwd import FLA_CHUNK_KDA_BWD_WY
 
     def call():
-        FLA_CHUNK_KDA_BWD_WY(q=x["q"], k=x["k"], v=x["v"], v_new=x["v_new"], g=x["g"], beta=x["beta"], A=x["A"],
-                             h=x["h"], do=x["do"], dh=x["dh"], dv=x["dv"], scale=128 ** -0.5,
-                             state_v_first=x["state_v_first"])
+        return FLA_CHUNK_KDA_BWD_WY(q=x["q"], k=x["k"], v=x["v"], v_new=x["v_new"], g=x["g"], beta=x["beta"],
+                                    A=x["A"], h=x["h"], do=x["do"], dh=x["dh"], dv=x["dv"], scale=128 ** -0.5,
+                                    state_v_first=x["state_v_first"])
+    call.run = call
     return call
 
 
@@ -93,6 +98,45 @@ def fla_intra(x):
     return call
 
 
+def pair_inputs(B: int, T: int, HV: int, vfirst: bool) -> dict:
+    x = inputs(B, T, HV, vfirst)
+    x["dAqk"] = torch.randn(B, T, HV, 64, device="cuda")
+    return x
+
+
+def fla_pair(x):
+    from fla_cula.ops.kda_bwd import FLA_CHUNK_KDA_BWD_INTRA
+
+    wy = fla(x)
+
+    def call():
+        dq, dk, _, db, dg, dA = wy.run()
+        FLA_CHUNK_KDA_BWD_INTRA(q=x["q"], k=x["k"], g=x["g"], beta=x["beta"], dAqk=x["dAqk"], dAkk=dA, dq=dq, dk=dk,
+                                db=db, dg=dg, chunk_size=64, safe_gate=True, lower_bound=-5.0)
+    return call
+
+
+def ours_pair(x, fused: bool):
+    from fla_cula import _ext
+
+    C = _ext.require()
+    B, T, HV, _ = x["v"].shape
+    dq, dk, dg = (torch.empty(B, T, HV, 128, device="cuda") for _ in range(3))
+    dv2, db = torch.empty_like(x["v"]), torch.empty(B, T, HV, device="cuda")
+    dA = torch.empty(B, T, HV, 64, device="cuda")
+    shift = 5.0 / 0.6931471805599453
+    wy_args = [x[n] for n in ("q", "k", "v", "v_new", "g", "beta", "A", "h", "do", "dh", "dv")]
+
+    def call():
+        if fused:
+            C.kda_bwd_wy(*wy_args, dq, dk, dv2, dg, db, None, 128 ** -0.5, x["state_v_first"], None, None, x["dAqk"],
+                         shift)
+        else:
+            C.kda_bwd_wy(*wy_args, dq, dk, dv2, dg, db, dA, 128 ** -0.5, x["state_v_first"])
+            C.kda_bwd_intra(x["q"], x["k"], x["g"], x["beta"], x["dAqk"], dA, dq, dk, dg, db, dq, dk, dg, db, shift)
+    return call
+
+
 def _us(call, reps: int) -> list[float]:
     e = [(torch.cuda.Event(True), torch.cuda.Event(True)) for _ in range(reps)]
     for a, b in e:
@@ -115,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="[[2,4096,32],[1,8192,32]]", help="JSON list of [B, T, HV]")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--vfirst", type=int, default=1, help="state layout: 1 V-first (the KDA layer's), 0 K-first")
-    ap.add_argument("--op", nargs="+", choices=("wy", "intra"), default=["wy", "intra"])
+    ap.add_argument("--op", nargs="+", choices=("wy", "intra", "pair", "fused"), default=["wy", "intra"])
     a = ap.parse_args(argv)
     print(f"{'op':>6} {'B':>3} {'T':>6} {'HV':>4} {'FLA us':>9} {'ours us':>9} {'speedup':>8} {'floor us':>9}")
     for op in a.op:
@@ -125,19 +169,23 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # bytes per (chunk, value head): wy reads q, k, v, v', do, dv, g, h, dh, Akk and writes dq, dk, dg, dv2, dA, db;
-# intra reads q, k, g, dAqk, dAkk, dq, dk, dg and writes dq, dk, dg
-BYTES = {"wy": 344e3, "intra": 290e3}
+# intra reads q, k, g, dAqk, dAkk, dq, dk, dg and writes dq, dk, dg; the pair both; fused: wy's with dAqk in for dA
+# out
+BYTES = {"wy": 344e3, "intra": 290e3, "pair": 634e3, "fused": 344e3}
 
 
 def _row(op: str, B: int, T: int, HV: int, a) -> None:
     from fla_cula import _ext
 
-    if op == "intra" and not hasattr(_ext.require(), "kda_bwd_intra"):
+    if op != "wy" and not hasattr(_ext.require(), "kda_bwd_intra"):
         print(f"{op:>6} {B:>3} {T:>6} {HV:>4}  (this build has no kda_bwd_intra)")
         return
     if op == "wy":
         x = inputs(B, T, HV, bool(a.vfirst))
         calls = {"fla": fla(x), "ours": ours(x)}
+    elif op in ("pair", "fused"):
+        x = pair_inputs(B, T, HV, bool(a.vfirst))
+        calls = {"fla": fla_pair(x), "ours": ours_pair(x, op == "fused")}
     else:
         x = intra_inputs(B, T, HV)
         calls = {"fla": fla_intra(x), "ours": ours_intra(x)}

@@ -37,6 +37,7 @@ REQUIRED_SASS: dict[str, list[str]] = {
     r"kda_combine_kernel": ["LDGSTS"],  # the split's combine: fp32 FMAs on CUDA cores, the maps by cp.async
     # the backward's chunk-local gradients: mma.sync fed by ldmatrix (.trans for the transposed operands), cp.async
     r"kda_bwd_wy_kernel": ["HMMA", "LDSM", "LDGSTS"],
+    r"kda_bwd_intra_kernel": ["HMMA", "LDGSTS"],  # bf16x3 block products on mma.sync, cp.async loads
 }
 ARCH = "sm_90a"
 

@@ -52,12 +52,14 @@ extern "C" void emu_bwd_wy(void const* q, void const* k, void const* v, void con
                            void const* dv, float const* g, float const* beta, void const* A, void const* h,
                            void const* dh, float* dq, float* dk, void* dv2, float* dg, float* db, float* dA, int B,
                            int T, int H, int HV, int chunks, float scale, int svf, void const* cu, int cu64,
-                           void const* ci, int ci64) {
+                           void const* ci, int ci64, float const* dAqk, float shift, float const* q_rstd,
+                           float const* k_rstd, void* dqx, void* dkx) {
   KdaBwdWyParams p{};
   p.q = q; p.k = k; p.v = v; p.v_new = v_new; p.dout = dout; p.dv = dv; p.g = g; p.beta = beta; p.A = A;
   p.h = h; p.dh = dh; p.dq = dq; p.dk = dk; p.dv2 = dv2; p.dg = dg; p.db = db; p.dA = dA;
   p.B = B; p.T = T; p.H = H; p.HV = HV; p.chunks = chunks; p.scale = scale; p.state_v_first = svf;
   p.cu_seqlens = cu; p.cu_seqlens_int64 = cu64; p.chunk_indices = ci; p.chunk_indices_int64 = ci64;
+  p.dAqk = dAqk; p.gate_shift = shift; p.q_rstd = q_rstd; p.k_rstd = k_rstd; p.dqx = dqx; p.dkx = dkx;
   std::barrier<> bar(kda_sm90::kBwdThreads);
   g_bar = &bar;
   for (int w = 0; w < kda_sm90::kBwdWarps; ++w) g_wbar[w] = new std::barrier<>(32);
@@ -69,7 +71,13 @@ extern "C" void emu_bwd_wy(void const* q, void const* k, void const* v, void con
     for (int t = 0; t < kda_sm90::kBwdThreads; ++t)
       th.emplace_back([&p, t, svf] {
         threadIdx.x = t;
-        svf ? kda_sm90::kda_bwd_wy_kernel<true>(p) : kda_sm90::kda_bwd_wy_kernel<false>(p);
+        if (p.q_rstd) {
+          svf ? kda_sm90::kda_bwd_wy_kernel<true, true, true>(p) : kda_sm90::kda_bwd_wy_kernel<false, true, true>(p);
+        } else if (p.dAqk) {
+          svf ? kda_sm90::kda_bwd_wy_kernel<true, true>(p) : kda_sm90::kda_bwd_wy_kernel<false, true>(p);
+        } else {
+          svf ? kda_sm90::kda_bwd_wy_kernel<true, false>(p) : kda_sm90::kda_bwd_wy_kernel<false, false>(p);
+        }
       });
     for (auto& x : th) x.join();
   }
@@ -123,7 +131,7 @@ def chunk_indices_of(lens, chunk=64):
                         dtype=torch.int32).reshape(-1, 2)
 
 
-def _emulate(lib, x, lens=None):
+def _emulate(lib, x, lens=None, dAqk=None, shift=0.0, rstd=None):
     q = x["q"]
     B, T, H, _ = q.shape
     HV = x["v"].shape[2]
@@ -132,6 +140,8 @@ def _emulate(lib, x, lens=None):
     out["dv2"] = torch.full((B, T, HV, 128), float("nan"), dtype=torch.bfloat16)
     out["db"] = torch.full((B, T, HV), float("nan"), dtype=f)
     out["dA"] = torch.full((B, T, HV, 64), float("nan"), dtype=f)
+    if rstd is not None:  # the fused l2norm backward's bf16 outputs, at the q heads
+        out["dqx"], out["dkx"] = (torch.full((B, T, H, 128), float("nan"), dtype=torch.bfloat16) for _ in range(2))
     ci = None if lens is None else chunk_indices_of(lens)
     chunks = B * ((T + 63) // 64) if lens is None else ci.shape[0]
 
@@ -141,7 +151,9 @@ def _emulate(lib, x, lens=None):
     lib.emu_bwd_wy(ptr(q), ptr(x["k"]), ptr(x["v"]), ptr(x["v_new"]), ptr(x["do"]), ptr(x["dv"]), ptr(x["g"]),
                    ptr(x["beta"]), ptr(x["A"]), ptr(x["h"]), ptr(x["dh"]), ptr(out["dq"]), ptr(out["dk"]),
                    ptr(out["dv2"]), ptr(out["dg"]), ptr(out["db"]), ptr(out["dA"]), B, T, H, HV, chunks,
-                   ctypes.c_float(128 ** -0.5), int(x["state_v_first"]), ptr(x["cu_seqlens"]), 0, ptr(ci), 0)
+                   ctypes.c_float(128 ** -0.5), int(x["state_v_first"]), ptr(x["cu_seqlens"]), 0, ptr(ci), 0,
+                   ptr(dAqk), ctypes.c_float(shift), *(ptr(None if rstd is None else r) for r in rstd or (None, None)),
+                   *(ptr(out.get(n)) for n in ("dqx", "dkx")))
     return out
 
 
@@ -169,8 +181,10 @@ def test_bwd_wy_emulated_matches_fp64_model(emulator, case):
 
 
 def test_sass_hmma_ldsm_no_spills():
-    """Both specializations of the built kernel: sm_90a, mma.sync (HMMA) fed by ldmatrix (LDSM, .trans among
-    them), cp.async loads (LDGSTS), no spill."""
+    """The six specializations of the built kernel (state layout x plain / intra fused / intra and l2norm backward
+    fused): sm_90a, mma.sync
+    (HMMA) fed by ldmatrix (LDSM, .trans among them), cp.async loads (LDGSTS), no spill; kda_bwd_intra_kernel:
+    HMMA, LDGSTS, no spill."""
     from fla_cula import _ext
 
     ok, why = _ext.available()
@@ -183,10 +197,241 @@ def test_sass_hmma_ldsm_no_spills():
     usage = {r["symbol"]: r for r in _ext.resource_usage(mod.__file__)}
     names = _ext.demangle(list(sass))
     syms = [s for s in sass if "kda_bwd_wy_kernel" in names[s]]
-    assert len(syms) == 2, sorted(names.values())  # state_v_first or not
-    for s in syms:
+    assert len(syms) == 6, sorted(names.values())  # state_v_first or not x (plain, kIntra, kIntra + kL2)
+    intra = [s for s in sass if "kda_bwd_intra_kernel" in names[s]]
+    assert len(intra) == 1, sorted(names.values())
+    for s in syms + intra:
         arch, ops = sass[s]
         assert arch == "sm_90a"
-        for op in ("HMMA", "LDSM", "LDSM.16.MT88", "LDGSTS"):
+        for op in ("HMMA", "LDGSTS") + (("LDSM", "LDSM.16.MT88") if s in syms else ()):
             assert any(o.startswith(op) for o in ops), (op, sorted(ops))
         assert usage[s]["stack"] == 0 and usage[s]["local"] == 0, usage[s]
+
+
+# ---------------------------------------------------------------------------------------------
+# kda_bwd_intra (csrc/kda_sm90/kda_bwd_intra_kernel.cuh): 512 threads, so the prelude's per-warp arrays hold 16 warps
+# ---------------------------------------------------------------------------------------------
+_PRELUDE16 = _PRELUDE
+for _name in ("g_wbar", "g_x", "g_a", "g_b", "g_c", "g_sp", "g_sr", "g_lp"):
+    assert f"{_name}[8]" in _PRELUDE16 or f"{_name}[16]" in _PRELUDE16, _name
+    _PRELUDE16 = _PRELUDE16.replace(f"{_name}[8]", f"{_name}[16]")
+
+EMULATOR_INTRA_CPP = _PRELUDE16 + r"""
+#include <atomic>
+inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
+
+#define FLA_CULA_KDA_HOST_EMULATION 1
+#include "kda_sm90/kda_bwd_intra_kernel.cuh"
+
+using namespace fla_cula;
+
+extern "C" void emu_bwd_intra(void const* q, void const* k, float const* g, float const* beta, float const* dAqk,
+                              float const* dAkk, float const* dq, float const* dk, float const* dg, float const* db,
+                              float* dq_out, float* dk_out, float* dg_out, float* db_out, int B, int T, int H, int HV,
+                              int chunks, float shift, void const* cu, void const* ci) {
+  KdaBwdIntraParams p{};
+  p.q = q; p.k = k; p.g = g; p.beta = beta; p.dAqk = dAqk; p.dAkk = dAkk; p.dq = dq; p.dk = dk; p.dg = dg; p.db = db;
+  p.dq_out = dq_out; p.dk_out = dk_out; p.dg_out = dg_out; p.db_out = db_out;
+  p.B = B; p.T = T; p.H = H; p.HV = HV; p.chunks = chunks; p.gate_shift = shift;
+  p.cu_seqlens = cu; p.chunk_indices = ci;
+  std::barrier<> bar(kda_sm90::kIntraThreads);
+  g_bar = &bar;
+  for (int w = 0; w < kda_sm90::kIntraThreads / 32; ++w) g_wbar[w] = new std::barrier<>(32);
+  static_assert(kda_sm90::kBwdIntraSmemBytes <= int(sizeof(smem_raw)));
+  for (int b = 0; b < chunks * HV; ++b) {
+    blockIdx.x = b;
+    std::memset(smem_raw, 0xff, sizeof(smem_raw));
+    std::vector<std::thread> th;
+    for (int t = 0; t < kda_sm90::kIntraThreads; ++t)
+      th.emplace_back([&p, t] {
+        threadIdx.x = t;
+        kda_sm90::kda_bwd_intra_kernel(p);
+      });
+    for (auto& x : th) x.join();
+  }
+  for (int w = 0; w < kda_sm90::kIntraThreads / 32; ++w) delete g_wbar[w];
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def intra_emulator(tmp_path_factory):
+    return build_emulator(EMULATOR_INTRA_CPP, tmp_path_factory, "kda_bwd_intra_emu")
+
+
+LOWER_BOUND = -5.0
+
+
+def bwd_intra_inputs(B, T, H, HV, lens=None, seed=0, at_bound=False):
+    """Random inputs of FLA's chunk_kda_bwd_intra: g a chunk-local cumsum of per-token log2 decays in
+    [lower_bound / ln 2, 0] (safe_gate's range, the whole range used; at_bound: every step at the bound, so a chunk
+    spans 64 steps of it and most pairs' factors underflow), dAqk lower triangular with its diagonal, dAkk strictly
+    lower, incoming dq, dk, dg, db."""
+    import math
+
+    gen = torch.Generator().manual_seed(seed)
+    bf = torch.bfloat16
+    q = torch.nn.functional.normalize(torch.randn(B, T, H, 128, generator=gen), dim=-1).to(bf)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, 128, generator=gen), dim=-1).to(bf)
+    cu = None if lens is None else torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    seqs = ([(b, 0, T) for b in range(B)] if lens is None
+            else [(0, int(cu[i]), int(cu[i + 1])) for i in range(len(lens))])
+    step = torch.rand(B, T, HV, 128, generator=gen) ** 3 * (LOWER_BOUND / math.log(2))  # many slow, some at the bound
+    if at_bound:
+        step = torch.full_like(step, LOWER_BOUND / math.log(2))
+    g = torch.zeros(B, T, HV, 128)
+    dAqk, dAkk = torch.zeros(B, T, HV, 64), torch.zeros(B, T, HV, 64)
+    for b, bos, eos in seqs:
+        for t0 in range(bos, eos, 64):
+            L = min(64, eos - t0)
+            g[b, t0:t0 + L] = step[b, t0:t0 + L].cumsum(0)
+            m = torch.tril(torch.ones(L, L))
+            dAqk[b, t0:t0 + L, :, :L] = torch.randn(L, HV, L, generator=gen) * m.unsqueeze(1)
+            dAkk[b, t0:t0 + L, :, :L] = torch.randn(L, HV, L, generator=gen) * torch.tril(m, -1).unsqueeze(1)
+    beta = torch.rand(B, T, HV, generator=gen)
+    dq, dk, dg = (torch.randn(B, T, HV, 128, generator=gen) for _ in range(3))
+    db = torch.randn(B, T, HV, generator=gen)
+    return dict(q=q, k=k, g=g, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, dg=dg, db=db, cu_seqlens=cu)
+
+
+def _emulate_intra(lib, x, lens=None):
+    import math
+
+    B, T, H, _ = x["q"].shape
+    HV = x["g"].shape[2]
+    out = {n: torch.full((B, T, HV, 128), float("nan")) for n in ("dq", "dk", "dg")}
+    out["db"] = torch.full((B, T, HV), float("nan"))
+    ci = None if lens is None else chunk_indices_of(lens)
+    chunks = B * ((T + 63) // 64) if lens is None else ci.shape[0]
+
+    def ptr(t):
+        return ctypes.c_void_p(0 if t is None else t.data_ptr())
+
+    lib.emu_bwd_intra(ptr(x["q"]), ptr(x["k"]), ptr(x["g"]), ptr(x["beta"]), ptr(x["dAqk"]), ptr(x["dAkk"]),
+                      ptr(x["dq"]), ptr(x["dk"]), ptr(x["dg"]), ptr(x["db"]), ptr(out["dq"]), ptr(out["dk"]),
+                      ptr(out["dg"]), ptr(out["db"]), B, T, H, HV, chunks, ctypes.c_float(-LOWER_BOUND / math.log(2)),
+                      ptr(x["cu_seqlens"]), ptr(ci))
+    return out
+
+
+INTRA_CASES = {
+    "fixed-tail": dict(B=1, T=100, H=1, HV=1),
+    "fixed-gva": dict(B=2, T=64, H=1, HV=2),
+    "varlen-short": dict(B=1, T=86, H=1, HV=1, lens=[70, 1, 15]),
+    "fixed-at-the-bound": dict(B=1, T=64, H=1, HV=1, at_bound=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INTRA_CASES))
+def test_bwd_intra_emulated_matches_fp64_model(intra_emulator, case):
+    from fla_cula.reference.kda import bwd_intra_reference
+
+    kw = dict(INTRA_CASES[case])
+    lens = kw.get("lens")
+    x = bwd_intra_inputs(**kw, seed=len(case))
+    got = _emulate_intra(intra_emulator, x, lens)
+    ref = bwd_intra_reference(x["q"], x["k"], x["g"], x["beta"], x["dAqk"], x["dAkk"], x["dq"], x["dk"], x["db"],
+                              x["dg"], x["cu_seqlens"])
+    added = {n: ref[n] - x[n].double() for n in ("dq", "dk", "dg", "db")}
+    # dg and db are sums whose terms can cancel (at the bound dg's sum is ~1e-3 of q dq'): their errors are measured
+    # against the size of those terms, q dq' and sum_c |k dk'|, when that is the larger scale
+    q, k = x["q"].double(), x["k"].double()
+    if q.shape[2] != added["dq"].shape[2]:  # GVA: q, k at value heads
+        q, k = (t.repeat_interleave(added["dq"].shape[2] // q.shape[2], dim=2) for t in (q, k))
+    terms = {"dg": (q * added["dq"]).pow(2).mean().sqrt(), "db": (k * added["dk"]).abs().sum(-1).pow(2).mean().sqrt()}
+    for n in ("dq", "dk", "dg", "db"):
+        o = got[n].double()
+        assert not o.isnan().any(), f"{n}: {int(o.isnan().sum())} NaN entries (unwritten rows or poisoned reads)"
+        d = o - x[n].double() - added[n]  # the intra terms alone (the incoming gradient added exactly)
+        scale = max(added[n].pow(2).mean().sqrt(), terms.get(n, 0.0))
+        err = float(d.pow(2).mean().sqrt() / scale)
+        assert err < 2e-5, f"{n}: RMS error of the added terms {err:.2e} (of their scale) vs the fp64 model"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bwd_wy_fused_intra_emulated_matches_fp64_model(emulator, case):
+    """kda_bwd_wy with dAqk (the intra step fused in) against the fp64 intra model applied to the plain kernel's
+    outputs on the same inputs (dq, dk, db, dg and dA as dAkk: FLA's composition of its two kernels; the wy part's
+    own errors are test_bwd_wy_emulated_matches_fp64_model's): the added terms within 2e-5 of their scale, dv2 equal
+    to the plain kernel's, dA not written (stays NaN)."""
+    import math
+
+    from fla_cula.reference.kda import bwd_intra_reference
+
+    kw = dict(CASES[case])
+    lens = kw.get("lens")
+    x = bwd_wy_inputs(**kw, seed=len(case) + 7)
+    B, T, HV = x["v"].shape[:3]
+    gen = torch.Generator().manual_seed(len(case))
+    dAqk = torch.zeros(B, T, HV, 64)
+    seqs = ([(b, 0, T) for b in range(B)] if lens is None
+            else [(0, int(x["cu_seqlens"][i]), int(x["cu_seqlens"][i + 1])) for i in range(len(lens))])
+    for b, bos, eos in seqs:
+        for t0 in range(bos, eos, 64):
+            n = min(64, eos - t0)
+            dAqk[b, t0:t0 + n, :, :n] = torch.randn(n, HV, n, generator=gen) * torch.tril(torch.ones(n, n)).unsqueeze(1)
+    plain = _emulate(emulator, x, lens)
+    got = _emulate(emulator, x, lens, dAqk=dAqk, shift=-LOWER_BOUND / math.log(2))
+    ref = bwd_intra_reference(x["q"], x["k"], x["g"], x["beta"], dAqk, plain["dA"], plain["dq"], plain["dk"],
+                              plain["db"], plain["dg"], x["cu_seqlens"])
+    assert got["dA"].isnan().all(), "dA written by the fused form"
+    assert torch.equal(got["dv2"], plain["dv2"]), "dv2 differs from the plain kernel's"
+    q, k = x["q"].double(), x["k"].double()
+    if q.shape[2] != HV:  # GVA: q, k at value heads
+        q, k = (t.repeat_interleave(HV // q.shape[2], dim=2) for t in (q, k))
+    added = {n: ref[n] - plain[n].double() for n in ("dq", "dk", "dg", "db")}
+    terms = {"dg": (q * added["dq"]).pow(2).mean().sqrt(), "db": (k * added["dk"]).abs().sum(-1).pow(2).mean().sqrt()}
+    for n in ("dq", "dk", "dg", "db"):
+        o = got[n].double()
+        assert not o.isnan().any(), f"{n}: {int(o.isnan().sum())} NaN entries (unwritten rows or poisoned reads)"
+        scale = max(added[n].pow(2).mean().sqrt(), terms.get(n, 0.0))
+        err = float((o - ref[n]).pow(2).mean().sqrt() / scale)
+        assert err < 2e-5, f"{n}: RMS error of the intra terms {err:.2e} (of their scale) vs the fp64 model"
+
+
+def test_intra_reason_needs_a_per_token_gate_bound(monkeypatch):
+    """kda_bwd_intra's anchors need every per-token step of g within [lower_bound, 0]: the in-kernel gate with
+    lower_bound has it by construction, a precomputed gate only with safe_gate; lower_bound below -11.5 leaves
+    fp32. The gate checks come first; past them this test's stub extension answers."""
+    from fla_cula.ops import kda_bwd
+
+    monkeypatch.setattr(kda_bwd._ext, "available", lambda: (False, "stub extension"))
+
+    def reason(safe_gate, lower_bound, gate_in_kernel):
+        return kda_bwd.intra_reason(None, None, None, None, None, None, None, None, None, None, 64, safe_gate,
+                                    lower_bound, gate_in_kernel)
+
+    for args in ((False, -5.0, False), (True, None, True), (True, 0.0, True), (False, None, True)):
+        assert "per-token gate bound" in reason(*args), args
+    assert "lower_bound=-12.0" in reason(True, -12.0, True)
+    for args in ((True, -5.0, False), (False, -5.0, True), (True, -11.5, True)):
+        assert reason(*args) == "stub extension", args
+
+
+@pytest.mark.parametrize("case", sorted(n for n, c in CASES.items() if c.get("HV", 1) == c.get("H", 1)))
+def test_bwd_wy_fused_l2norm_emulated(emulator, case):
+    """kda_bwd_wy with dAqk, q_rstd and k_rstd (intra step and l2norm backward fused, H == HV): dqx, dkx equal FLA's
+    l2norm_bwd formula, rstd (dy - y (y . dy)) in fp64 on the fused form's own final dq, dk (which it still writes),
+    within bf16's rounding; dq, dk, dg, db, dv2 as without the l2norm backward."""
+    import math
+
+    kw = dict(CASES[case])
+    lens = kw.get("lens")
+    x = bwd_wy_inputs(**kw, seed=len(case) + 3)
+    B, T, HV = x["v"].shape[:3]
+    gen = torch.Generator().manual_seed(len(case) + 1)
+    dAqk = torch.randn(B, T, HV, 64, generator=gen) * 0.5
+    rstd = tuple(torch.rand(B, T, HV, generator=gen) + 0.5 for _ in range(2))
+    shift = -LOWER_BOUND / math.log(2)
+    base = _emulate(emulator, x, lens, dAqk=dAqk, shift=shift)
+    got = _emulate(emulator, x, lens, dAqk=dAqk, shift=shift, rstd=rstd)
+    for n in ("dq", "dk", "dg", "db", "dv2"):  # up to the order of the shared-memory atomics (dgk, db)
+        assert rel_rms(got[n].double(), base[n].double()) < 1e-6, f"{n} differs with the l2norm backward fused"
+    for n, y, r in (("q", x["q"], rstd[0]), ("k", x["k"], rstd[1])):
+        y, dy = y.double(), got["d" + n].double()
+        rows = ~dy.isnan().any(-1)  # rows past the sequences' ends are not written
+        ref = r.double().unsqueeze(-1) * (dy - y * (y * dy).sum(-1, keepdim=True))
+        o = got[f"d{n}x"].double()
+        assert not o[rows].isnan().any(), f"d{n}x: unwritten rows"
+        err = rel_rms(o[rows], ref[rows])
+        assert err < 4e-3, f"d{n}x: rel RMS {err:.2e} vs the fp64 formula (bf16 output)"

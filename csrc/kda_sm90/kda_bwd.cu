@@ -5,9 +5,40 @@
 
 #include "common/cuda_check.h"
 #include "kda_sm90/kda_bwd.h"
+#include "kda_sm90/kda_bwd_intra_kernel.cuh"
 #include "kda_sm90/kda_bwd_wy_kernel.cuh"
 
 namespace fla_cula {
+namespace {
+
+template <bool kVFirst, bool kIntra, bool kL2>
+void launch_wy(KdaBwdWyParams const& p, dim3 grid, cudaStream_t stream) {
+  constexpr int kSmem = kda_sm90::kBwdWySmemBytes;
+  opt_in_shared_memory<kda_sm90::kda_bwd_wy_kernel<kVFirst, kIntra, kL2>>(p.device, kSmem);
+  kda_sm90::kda_bwd_wy_kernel<kVFirst, kIntra, kL2><<<grid, kda_sm90::kBwdThreads, kSmem, stream>>>(p);
+}
+
+// state layout x (plain | intra fused | intra and l2norm backward fused)
+template <bool kVFirst>
+void launch_form(KdaBwdWyParams const& p, dim3 grid, cudaStream_t stream) {
+  if (p.q_rstd) {
+    launch_wy<kVFirst, true, true>(p, grid, stream);
+  } else if (p.dAqk) {
+    launch_wy<kVFirst, true, false>(p, grid, stream);
+  } else {
+    launch_wy<kVFirst, false, false>(p, grid, stream);
+  }
+}
+
+void launch_kda_bwd_wy(KdaBwdWyParams const& p, dim3 grid, cudaStream_t stream) {
+  if (p.state_v_first) {
+    launch_form<true>(p, grid, stream);
+  } else {
+    launch_form<false>(p, grid, stream);
+  }
+}
+
+}  // namespace
 
 void run_kda_bwd_wy(KdaBwdWyParams const& p) {
   int64_t const ctas = int64_t(p.chunks) * p.HV;
@@ -18,15 +49,30 @@ void run_kda_bwd_wy(KdaBwdWyParams const& p) {
   require_compute_capability(p.device, 9, 0, "kda_bwd_wy");
   dim3 const grid{unsigned(ctas)};
   auto const stream = static_cast<cudaStream_t>(p.stream);
-  constexpr int kSmem = kda_sm90::kBwdWySmemBytes;
-  if (p.state_v_first) {
-    opt_in_shared_memory<kda_sm90::kda_bwd_wy_kernel<true>>(p.device, kSmem);
-    kda_sm90::kda_bwd_wy_kernel<true><<<grid, kda_sm90::kBwdThreads, kSmem, stream>>>(p);
-  } else {
-    opt_in_shared_memory<kda_sm90::kda_bwd_wy_kernel<false>>(p.device, kSmem);
-    kda_sm90::kda_bwd_wy_kernel<false><<<grid, kda_sm90::kBwdThreads, kSmem, stream>>>(p);
-  }
+  FLA_CULA_REQUIRE(p.dAqk == nullptr || (p.gate_shift > 0.f && p.gate_shift <= 16.6f),
+                   "kda_bwd_wy: with dAqk, gate_shift must be in (0, 16.6] (safe_gate with -11.5 <= lower_bound < 0), "
+                   "got " + std::to_string(p.gate_shift));
+  FLA_CULA_REQUIRE(p.q_rstd == nullptr || (p.dAqk != nullptr && p.H == p.HV && p.k_rstd && p.dqx && p.dkx),
+                   "kda_bwd_wy: the fused l2norm backward needs dAqk, H == HV, k_rstd, dqx and dkx");
+  launch_kda_bwd_wy(p, grid, stream);
   FLA_CULA_CHECK_LAUNCH("kda_bwd_wy_kernel");
+}
+
+void run_kda_bwd_intra(KdaBwdIntraParams const& p) {
+  int64_t const ctas = int64_t(p.chunks) * p.HV;
+  FLA_CULA_REQUIRE(ctas < (int64_t(1) << 31), "kda_bwd_intra: too many (chunk, value head) pairs: " +
+                                                  std::to_string(ctas));
+  FLA_CULA_REQUIRE(p.gate_shift > 0.f && p.gate_shift <= 16.6f,
+                   "kda_bwd_intra: gate_shift must be in (0, 16.6] (safe_gate with -11.5 <= lower_bound < 0), got " +
+                       std::to_string(p.gate_shift));
+  if (ctas == 0) return;
+  DeviceGuard guard(p.device);
+  require_compute_capability(p.device, 9, 0, "kda_bwd_intra");
+  constexpr int kSmem = kda_sm90::kBwdIntraSmemBytes;
+  opt_in_shared_memory<kda_sm90::kda_bwd_intra_kernel>(p.device, kSmem);
+  kda_sm90::kda_bwd_intra_kernel<<<dim3{unsigned(ctas)}, kda_sm90::kIntraThreads, kSmem,
+                                   static_cast<cudaStream_t>(p.stream)>>>(p);
+  FLA_CULA_CHECK_LAUNCH("kda_bwd_intra_kernel");
 }
 
 }  // namespace fla_cula

@@ -29,7 +29,14 @@ struct KdaBwdWyParams {
   void* dv2;           // bf16 [B,T,HV,128]
   float* dg;           // fp32 [B,T,HV,128]
   float* db;           // fp32 [B,T,HV]
-  float* dA;           // fp32 [B,T,HV,64]
+  float* dA;           // fp32 [B,T,HV,64] (unused with dAqk)
+  float const* dAqk;   // fp32 [B,T,HV,64] or null: non-null fuses FLA's chunk_kda_bwd_intra into this kernel (dq, dk,
+                       // dg, db then include its terms; dA is not written)
+  float gate_shift;    // with dAqk: -lower_bound / ln 2 in (0, 16.6] (safe_gate)
+  float const* q_rstd;  // fp32 [B,T,H] or null; with dAqk and H == HV, non-null fuses FLA's l2norm_bwd of q and k:
+  float const* k_rstd;  //   q, k are then the normalized y, and dqx, dkx receive rstd (dy - y (y . dy)) of the final
+  void* dqx;            //   dq, dk in bf16 [B,T,H,128]; dq, dk keep only kda_bwd_wy's own terms (scratch)
+  void* dkx;
   int B, T, H, HV;
   int chunks;          // B * ceil(T / 64), or the varlen chunk count (chunk_indices rows)
   float scale;
@@ -43,5 +50,35 @@ struct KdaBwdWyParams {
 };
 
 void run_kda_bwd_wy(KdaBwdWyParams const& params);
+
+// kda_bwd_intra: FLA's chunk_kda_bwd_intra, the gradients through the chunk-local Aqk and Akk added to the
+// incoming dq, dk, db, dg (kda_bwd_intra_kernel.cuh). fp32 products on the CUDA cores; needs safe_gate's bound.
+struct KdaBwdIntraParams {
+  void const* q;         // bf16 [B,T,H,128]
+  void const* k;         // bf16 [B,T,H,128]
+  float const* g;        // fp32 [B,T,HV,128] chunk-local cumsum, log2 units, per-token steps >= -gate_shift
+  float const* beta;     // fp32 [B,T,HV]
+  float const* dAqk;     // fp32 [B,T,HV,64]: zero above the diagonal
+  float const* dAkk;     // fp32 [B,T,HV,64]: zero on and above the diagonal
+  float const* dq;       // fp32 [B,T,HV,128] incoming (after kda_bwd_wy)
+  float const* dk;
+  float const* dg;
+  float const* db;       // fp32 [B,T,HV]
+  float* dq_out;         // fp32 [B,T,HV,128], may be dq (each entry read then written by one thread)
+  float* dk_out;
+  float* dg_out;
+  float* db_out;         // fp32 [B,T,HV], may be db
+  int B, T, H, HV;
+  int chunks;
+  float gate_shift;      // -lower_bound / ln 2 (> 0)
+  void const* cu_seqlens;
+  bool cu_seqlens_int64;
+  void const* chunk_indices;
+  bool chunk_indices_int64;
+  int device;
+  void* stream;
+};
+
+void run_kda_bwd_intra(KdaBwdIntraParams const& params);
 
 }  // namespace fla_cula

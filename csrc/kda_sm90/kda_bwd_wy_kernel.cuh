@@ -15,10 +15,18 @@
 // reduced index across rows), so no tile is stored twice. Warp w owns rows 16 (w % 4) .. + 15 and columns
 // 32 (w / 4) .. + 31 of a 64 x 128 result (16 (w / 4) .. + 15 of a 64 x 64 one). Sixteen warps at <= 128
 // registers: the CTA is alone on its SM (shared memory), so its warps are all the latency hiding there is.
+// kIntra (dAqk given): the intra-chunk step (kda_bwd_intra_block.cuh) follows in the same CTA: dAqk lands in dH's
+// place during step 9, dA_out stays in shared memory (H's place) instead of going out, and the step adds its terms to
+// the dq, dk, dg, db this CTA has just written (each entry re-read by the thread that wrote it). kL2 (with kIntra, H =
+// HV, q_rstd given): FLA's l2norm backward of q and k follows on the final dq, dk: dqx = rstd (dq - y (y . dq)), y the
+// normalized q in shared memory, the row dots summed over the 4 channel quarters in shared memory; dqx, dkx go out
+// in bf16 (dq, dk hold the final fp32 values too; the thread keeps its entries of them in registers for this). One CTA
+// per SM: nothing hides a tail's memory latency, so each tail issues all its loads before its first store.
 #pragma once
 
 #include "kda_sm90/kda_bwd.h"
 #include "kda_sm90/kda_bwd_chunk.cuh"
+#include "kda_sm90/kda_bwd_intra_block.cuh"
 #include "kda_sm90/kda_fwd_kernel.cuh"
 
 namespace fla_cula::kda_sm90 {
@@ -70,6 +78,17 @@ __device__ __forceinline__ void warp_mma(float (&acc)[NT][4], bf16 const* A, int
   }
 }
 
+// db[r0 + g8 + 8 h] += x[h] summed over the warp's 4 lanes of that row (lane = 4 g8 + t4), from every warp
+__device__ __forceinline__ void add_row_shares(float* db, float const (&x)[2], int r0, int lane) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float v = x[h];
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    if ((lane & 3) == 0) atomicAdd(&db[r0 + (lane >> 2) + 8 * h], v);
+  }
+}
+
 __device__ __forceinline__ float2 ld_bf16x2(void const* p) {
   uint32_t const x = *static_cast<uint32_t const*>(p);
   return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
@@ -91,7 +110,7 @@ struct BwdWyStorage {
 };
 constexpr int kBwdWySmemBytes = int(sizeof(BwdWyStorage));
 
-template <bool kVFirst>
+template <bool kVFirst, bool kIntra, bool kL2 = false>
 __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_constant__ KdaBwdWyParams const p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   BwdWyStorage& sm = *reinterpret_cast<BwdWyStorage*>(smem_raw);
@@ -255,7 +274,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
       atomicAdd(&sm.dgk[c128 + 8 * nt + 2 * t4 + 1], cs[1]);
     }
   }
-  __syncthreads();  // dw and kg complete; dgk complete
+  __syncthreads();  // dw and kg complete; dgk complete; H and dH are dead
   // 7. dA += dw bf16(kg)^T (this warp's entries), then X = bf16(M(dA) diag(beta)) in v''s place
   warp_mma<kNT64, kK, false, false>(dA, sm.v + r0 * kLdK, kLdK, sm.dv + c64 * kLdK, kLdK, lane);
   bf16* const X = sm.vn;
@@ -291,15 +310,19 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
       *reinterpret_cast<float2*>(p.dk + vrow(t) + col) =
           make_float2(dk[nt][2 * hi] + x0 * e0 * b, dk[nt][2 * hi + 1] + x1 * e1 * b);
     }
-#pragma unroll
-  for (int hi = 0; hi < 2; ++hi) {
-    float x = dbp[hi];
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    x += __shfl_xor_sync(0xffffffffu, x, 2);
-    if (t4 == 0) atomicAdd(&sm.db[r0 + g8 + 8 * hi], x);
-  }
+  add_row_shares(sm.db, dbp, r0, lane);
   __syncthreads();  // db and X complete
-  if (tid < L) p.db[(t0 + tid) * HV + hv] = sm.db[tid];
+  if (!kIntra && tid < L) p.db[(t0 + tid) * HV + hv] = sm.db[tid];
+  float* const dAqk_sm = reinterpret_cast<float*>(sm.dh);  // kIntra: dAqk [64][kLdF] in dH's place, arriving
+  float* const dAkk_sm = reinterpret_cast<float*>(sm.h);   // during step 9; dA_out [64][kLdF] in H's
+  if constexpr (kIntra) {
+#pragma unroll
+    for (int r = 0; r < kC * 16 / kBwdThreads; ++r) {
+      int const i = tid + kBwdThreads * r, t = i >> 4, u = 4 * (i & 15);
+      cp_async16(dAqk_sm + t * kLdF + u, p.dAqk + (t < L ? ((t0 + t) * HV + hv) * kC + u : 0), t < L);
+    }
+    cp_async_commit();
+  }
   // 9. Y = bf16(X Akk) in do's place, dA_out = -M(bA Y)
   bf16* const Y = sm.dout;
   float y[kNT64][4];
@@ -319,10 +342,101 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
 #pragma unroll
     for (int hi = 0; hi < 2; ++hi) {
       int const t = r0 + g8 + 8 * hi, s = c64 + 8 * nt + 2 * t4;
-      if (t >= L) continue;
-      float2 const d = make_float2(s < t ? -y[nt][2 * hi] : 0.f, s + 1 < t ? -y[nt][2 * hi + 1] : 0.f);
-      *reinterpret_cast<float2*>(p.dA + ((t0 + t) * HV + hv) * kC + s) = d;
+      bool const in = t < L;
+      float2 const d = make_float2(in && s < t ? -y[nt][2 * hi] : 0.f, in && s + 1 < t ? -y[nt][2 * hi + 1] : 0.f);
+      if constexpr (kIntra) {
+        *reinterpret_cast<float2*>(dAkk_sm + t * kLdF + s) = d;
+      } else if (in) {
+        *reinterpret_cast<float2*>(p.dA + ((t0 + t) * HV + hv) * kC + s) = d;
+      }
     }
+  if constexpr (kIntra) {
+    // 10. the intra-chunk step on q, k, g, beta (still in shared memory), dAqk and dA_out
+    cp_async_wait_all();
+    __syncthreads();
+    IntraTiles const tl{sm.g, sm.q, sm.k, sm.beta, dAqk_sm, dAkk_sm};
+    int const I = w & 3;
+    float aq[4][4], ak[4][4], at[4][4];
+    intra_products(tl, L, p.gate_shift, I, c128, lane, aq, ak, at);
+    float db2[2] = {0.f, 0.f};
+    float2 fq[2][kNT128], fk[2][kNT128];  // kL2: the final dq, dk of this thread's entries (zero past L)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int nt = 0; nt < kNT128; ++nt) fq[h][nt] = fk[h][nt] = make_float2(0.f, 0.f);
+    int64_t const row0 = vrow(0), row_step = int64_t(HV) * kK;  // element offset of row t: row0 + t row_step
+    intra_epilogue(
+        tl, L, p.gate_shift, I, c128, lane, aq, ak, at, db2,
+        [&](int t, int col) {
+          int64_t const o = row0 + t * row_step + col;
+          return IntraIn{*reinterpret_cast<float2 const*>(p.dq + o), *reinterpret_cast<float2 const*>(p.dk + o),
+                         *reinterpret_cast<float2 const*>(p.dg + o)};
+        },
+        [&](int t, int col, IntraIn const& r, int h, int nt) {
+          int64_t const o = row0 + t * row_step + col;
+          *reinterpret_cast<float2*>(p.dq + o) = r.dq;
+          *reinterpret_cast<float2*>(p.dk + o) = r.dk;
+          *reinterpret_cast<float2*>(p.dg + o) = r.dg;
+          if constexpr (kL2) {
+            fq[h][nt] = r.dq;
+            fk[h][nt] = r.dk;
+          }
+        });
+    add_row_shares(sm.db, db2, r0, lane);
+    if constexpr (kL2) {
+      // 11. the l2norm backward from the final dq, dk of this thread's entries (kept from step 10): row dots over the
+      // 4 channel quarters (Akk's dead place), then dqx, dkx in bf16
+      float* const dots = reinterpret_cast<float*>(sm.A);  // [q, k][quarter][64]
+      float rq[2], rk[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        int const t = r0 + g8 + 8 * h;
+        int64_t const row = (t0 + (t < L ? t : L - 1)) * HV + hv;  // H = HV: the head's row
+        rq[h] = p.q_rstd[row];
+        rk[h] = p.k_rstd[row];
+        float a = 0.f, b = 0.f;  // this lane's shares of y . dq, y . dk on row t (zero past L)
+#pragma unroll
+        for (int nt = 0; nt < kNT128; ++nt) {
+          int const col = c128 + 8 * nt + 2 * t4;
+          float2 const y = ld_bf16x2(sm.q + t * kLdK + col), z = ld_bf16x2(sm.k + t * kLdK + col);
+          a += y.x * fq[h][nt].x + y.y * fq[h][nt].y;
+          b += z.x * fk[h][nt].x + z.y * fk[h][nt].y;
+        }
+        a += __shfl_xor_sync(0xffffffffu, a, 1);
+        a += __shfl_xor_sync(0xffffffffu, a, 2);
+        b += __shfl_xor_sync(0xffffffffu, b, 1);
+        b += __shfl_xor_sync(0xffffffffu, b, 2);
+        if (t4 == 0) {
+          dots[(w >> 2) * kC + t] = a;
+          dots[(4 + (w >> 2)) * kC + t] = b;
+        }
+      }
+      __syncthreads();
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        int const t = r0 + g8 + 8 * h;
+        if (t >= L) continue;
+        float const dq_dot = dots[t] + dots[kC + t] + dots[2 * kC + t] + dots[3 * kC + t];
+        float const dk_dot = dots[4 * kC + t] + dots[5 * kC + t] + dots[6 * kC + t] + dots[7 * kC + t];
+        int64_t const row = (t0 + t) * HV + hv;
+#pragma unroll
+        for (int nt = 0; nt < kNT128; ++nt) {
+          int const col = c128 + 8 * nt + 2 * t4;
+          float2 const y = ld_bf16x2(sm.q + t * kLdK + col), z = ld_bf16x2(sm.k + t * kLdK + col);
+          *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.dqx) + row * kK + col) =
+              __floats2bfloat162_rn((fq[h][nt].x - dq_dot * y.x) * rq[h], (fq[h][nt].y - dq_dot * y.y) * rq[h]);
+          *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.dkx) + row * kK + col) =
+              __floats2bfloat162_rn((fk[h][nt].x - dk_dot * z.x) * rk[h], (fk[h][nt].y - dk_dot * z.y) * rk[h]);
+        }
+      }
+    }
+    __syncthreads();
+    if (tid < L) {
+      int t = tid;
+      asm volatile("" : "+r"(t));  // an opaque row: its index is computed here, not kept live (spilled) from phase 1
+      p.db[(t0 + t) * HV + hv] = sm.db[t];
+    }
+  }
 }
 
 }  // namespace fla_cula::kda_sm90

@@ -384,7 +384,8 @@ void kda_bwd_wy_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::ha
                     py::handle beta_obj, py::handle A_obj, py::handle h_obj, py::handle do_obj, py::handle dh_obj,
                     py::handle dv_obj, py::handle dq_obj, py::handle dk_obj, py::handle dv2_obj, py::handle dg_obj,
                     py::handle db_obj, py::handle dA_obj, double scale, bool state_v_first, py::handle cu_obj,
-                    py::handle chunk_indices_obj) {
+                    py::handle chunk_indices_obj, py::handle dAqk_obj, double gate_shift, py::handle q_rstd_obj,
+                    py::handle k_rstd_obj, py::handle dqx_obj, py::handle dkx_obj) {
   TensorArg q = tensor_arg(q_obj, "q"), k = tensor_arg(k_obj, "k"), v = tensor_arg(v_obj, "v");
   HeadDims const d = expect_qk_and_heads(q, k, v, {dtype::kBFloat16});
   auto const [B, T, H, HV] = d;
@@ -423,14 +424,48 @@ void kda_bwd_wy_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::ha
   TensorArg const dv2 = value_rows(dv2_obj, "dv2", dtype::kBFloat16), dg = value_rows(dg_obj, "dg", dtype::kFloat32);
   TensorArg db = tensor_arg(db_obj, "db");
   expect_tensor(db, {dtype::kFloat32}, {B, T, HV}, "(B, T, HV)", &q);
-  TensorArg dA = tensor_arg(dA_obj, "dA");
-  expect_tensor(dA, {dtype::kFloat32}, {B, T, HV, kChunk}, "(B, T, HV, 64)", &q, 16);
+  bool const fused = !dAqk_obj.is_none();  // the intra step in the same kernel: dAqk in, no dA out
+  if (fused) {
+    if (!dA_obj.is_none()) throw py::value_error("kda_bwd_wy: dA must be None when dAqk is given (not written)");
+    if (!(gate_shift > 0.0 && gate_shift <= 16.6)) {
+      throw py::value_error("kda_bwd_wy: with dAqk, gate_shift must be in (0, 16.6] (safe_gate with -11.5 <= "
+                            "lower_bound < 0), got " + std::to_string(gate_shift));
+    }
+    TensorArg dAqk = tensor_arg(dAqk_obj, "dAqk");
+    expect_tensor(dAqk, {dtype::kFloat32}, {B, T, HV, kChunk}, "(B, T, HV, 64)", &q, 16);
+    p.dAqk = dAqk.ptr<float>();
+    p.gate_shift = static_cast<float>(gate_shift);
+  } else {
+    TensorArg dA = tensor_arg(dA_obj, "dA");
+    expect_tensor(dA, {dtype::kFloat32}, {B, T, HV, kChunk}, "(B, T, HV, 64)", &q, 16);
+    p.dA = dA.ptr<float>();
+  }
+  int const given = int(!q_rstd_obj.is_none()) + int(!k_rstd_obj.is_none()) + int(!dqx_obj.is_none()) +
+                    int(!dkx_obj.is_none());
+  if (given != 0) {  // the l2norm backward fused too
+    if (given != 4) throw py::value_error("kda_bwd_wy: q_rstd, k_rstd, dqx, dkx: all four or none");
+    if (!fused) throw py::value_error("kda_bwd_wy: the fused l2norm backward needs dAqk (the intra step fused)");
+    if (H != HV) {
+      throw py::value_error("kda_bwd_wy: the fused l2norm backward needs H == HV, got H=" + std::to_string(H) +
+                            ", HV=" + std::to_string(HV));
+    }
+    TensorArg q_rstd = tensor_arg(q_rstd_obj, "q_rstd"), k_rstd = tensor_arg(k_rstd_obj, "k_rstd");
+    expect_tensor(q_rstd, {dtype::kFloat32}, {B, T, H}, "(B, T, H)", &q);
+    expect_tensor(k_rstd, {dtype::kFloat32}, {B, T, H}, "(B, T, H)", &q);
+    TensorArg dqx = tensor_arg(dqx_obj, "dqx"), dkx = tensor_arg(dkx_obj, "dkx");
+    expect_tensor(dqx, {dtype::kBFloat16}, {B, T, H, kHeadDim}, "(B, T, H, 128) as q", &q, 16);
+    expect_tensor(dkx, {dtype::kBFloat16}, {B, T, H, kHeadDim}, "(B, T, H, 128) as q", &q, 16);
+    p.q_rstd = q_rstd.ptr<float>();
+    p.k_rstd = k_rstd.ptr<float>();
+    p.dqx = dqx.data;
+    p.dkx = dkx.data;
+  }
   if (chunks * HV >= (int64_t(1) << 31)) throw py::value_error("kda_bwd_wy: too many (chunk, value head) pairs");
 
   p.q = q.data; p.k = k.data; p.v = v.data; p.v_new = v_new.data; p.dout = dout.data; p.dv = dv.data;
   p.g = g.ptr<float>(); p.beta = beta.ptr<float>(); p.A = A.data; p.h = h.data; p.dh = dh.data;
   p.dq = dq.ptr<float>(); p.dk = dk.ptr<float>(); p.dv2 = dv2.data; p.dg = dg.ptr<float>();
-  p.db = db.ptr<float>(); p.dA = dA.ptr<float>();
+  p.db = db.ptr<float>();
   p.B = static_cast<int>(B);
   p.T = static_cast<int>(T);
   p.H = static_cast<int>(H);
@@ -443,17 +478,83 @@ void kda_bwd_wy_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::ha
   py::gil_scoped_release release;
   run_kda_bwd_wy(p);
 }
+
+void kda_bwd_intra_api(py::handle q_obj, py::handle k_obj, py::handle g_obj, py::handle beta_obj, py::handle dAqk_obj,
+                       py::handle dAkk_obj, py::handle dq_obj, py::handle dk_obj, py::handle dg_obj,
+                       py::handle db_obj, py::handle dq_out_obj, py::handle dk_out_obj, py::handle dg_out_obj,
+                       py::handle db_out_obj, double gate_shift, py::handle cu_obj, py::handle chunk_indices_obj) {
+  TensorArg q = tensor_arg(q_obj, "q"), k = tensor_arg(k_obj, "k"), g = tensor_arg(g_obj, "g");
+  HeadDims const d = expect_qk_and_heads(q, k, g, {dtype::kFloat32});
+  auto const [B, T, H, HV] = d;
+  auto expect_f32 = [&](py::handle obj, char const* name, std::initializer_list<int64_t> shape, char const* what,
+                        int align = 0) {
+    TensorArg x = tensor_arg(obj, name);
+    expect_tensor(x, {dtype::kFloat32}, shape, what, &q, align);
+    return x;
+  };
+  std::initializer_list<int64_t> const vs = {B, T, HV, kHeadDim}, bs = {B, T, HV}, as = {B, T, HV, kChunk};
+  TensorArg const beta = expect_f32(beta_obj, "beta", bs, "(B, T, HV)");
+  TensorArg const dAqk = expect_f32(dAqk_obj, "dAqk", as, "(B, T, HV, 64)", 16);  // cp.async rows
+  TensorArg const dAkk = expect_f32(dAkk_obj, "dAkk", as, "(B, T, HV, 64)", 16);
+  TensorArg const dq = expect_f32(dq_obj, "dq", vs, "(B, T, HV, 128) as g");
+  TensorArg const dk = expect_f32(dk_obj, "dk", vs, "(B, T, HV, 128) as g");
+  TensorArg const dg = expect_f32(dg_obj, "dg", vs, "(B, T, HV, 128) as g");
+  TensorArg const dq_out = expect_f32(dq_out_obj, "dq_out", vs, "(B, T, HV, 128) as g");
+  TensorArg const dk_out = expect_f32(dk_out_obj, "dk_out", vs, "(B, T, HV, 128) as g");
+  TensorArg const dg_out = expect_f32(dg_out_obj, "dg_out", vs, "(B, T, HV, 128) as g");
+  TensorArg const db = expect_f32(db_obj, "db", bs, "(B, T, HV)");
+  TensorArg const db_out = expect_f32(db_out_obj, "db_out", bs, "(B, T, HV)");
+  if (!(gate_shift > 0.0)) {
+    throw py::value_error("gate_shift: expected > 0 (-lower_bound / ln 2 under safe_gate), got " +
+                          std::to_string(gate_shift));
+  }
+  KdaBwdIntraParams p{};
+  int64_t const chunks = expect_chunk_list(cu_obj, chunk_indices_obj, q, d, &p.cu_seqlens, &p.cu_seqlens_int64,
+                                           &p.chunk_indices, &p.chunk_indices_int64);
+  if (chunks * HV >= (int64_t(1) << 31)) throw py::value_error("kda_bwd_intra: too many (chunk, value head) pairs");
+  p.q = q.data; p.k = k.data; p.g = g.ptr<float>(); p.beta = beta.ptr<float>();
+  p.dAqk = dAqk.ptr<float>(); p.dAkk = dAkk.ptr<float>();
+  p.dq = dq.ptr<float>(); p.dk = dk.ptr<float>(); p.dg = dg.ptr<float>(); p.db = db.ptr<float>();
+  p.dq_out = dq_out.ptr<float>(); p.dk_out = dk_out.ptr<float>(); p.dg_out = dg_out.ptr<float>();
+  p.db_out = db_out.ptr<float>();
+  p.B = static_cast<int>(B);
+  p.T = static_cast<int>(T);
+  p.H = static_cast<int>(H);
+  p.HV = static_cast<int>(HV);
+  p.chunks = static_cast<int>(chunks);
+  p.gate_shift = static_cast<float>(gate_shift);
+  p.device = q.device.device_id;
+  p.stream = current_stream(q.device);
+  py::gil_scoped_release release;
+  run_kda_bwd_intra(p);
+}
 }  // namespace
 
 void register_kda_fwd(py::module_& m) {
+  m.def("kda_bwd_intra", &kda_bwd_intra_api, py::arg("q"), py::arg("k"), py::arg("g"), py::arg("beta"),
+        py::arg("dAqk"), py::arg("dAkk"), py::arg("dq"), py::arg("dk"), py::arg("dg"), py::arg("db"),
+        py::arg("dq_out"), py::arg("dk_out"), py::arg("dg_out"), py::arg("db_out"), py::arg("gate_shift"),
+        py::arg("cu_seqlens") = py::none(), py::arg("chunk_indices") = py::none(),
+        "Enqueue kda_bwd_intra (csrc/kda_sm90/kda_bwd.h) on the current stream of q's device: FLA 0.6.0's\n"
+        "chunk_kda_bwd_intra. bf16 q, k [B,T,H,128]; fp32 g [B,T,HV,128] (chunk-local cumsum, log2, per-token steps\n"
+        ">= -gate_shift), beta [B,T,HV], dAqk, dAkk [B,T,HV,64], incoming dq, dk, dg [B,T,HV,128] and db [B,T,HV];\n"
+        "writes dq_out, dk_out, dg_out, db_out (same shapes; may be the incoming tensors) on the sequences' rows.\n"
+        "gate_shift = -lower_bound / ln 2 > 0 (safe_gate). Varlen as kda_bwd_wy. TypeError / ValueError before any\n"
+        "CUDA call, RuntimeError for CUDA errors.");
   m.def("kda_bwd_wy", &kda_bwd_wy_api, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("v_new"), py::arg("g"),
         py::arg("beta"), py::arg("A"), py::arg("h"), py::arg("do"), py::arg("dh"), py::arg("dv"), py::arg("dq"),
         py::arg("dk"), py::arg("dv2"), py::arg("dg"), py::arg("db"), py::arg("dA"), py::arg("scale"),
         py::arg("state_v_first"), py::arg("cu_seqlens") = py::none(), py::arg("chunk_indices") = py::none(),
+        py::arg("dAqk") = py::none(), py::arg("gate_shift") = 0.0, py::arg("q_rstd") = py::none(),
+        py::arg("k_rstd") = py::none(), py::arg("dqx") = py::none(), py::arg("dkx") = py::none(),
         "Enqueue kda_bwd_wy (csrc/kda_sm90/kda_bwd.h) on the current stream of q's device: FLA 0.6.0's\n"
         "chunk_kda_bwd_wy_dqkg_fused. bf16 q, k [B,T,H,128], v, v_new, do, dv [B,T,HV,128], A (Akk) [B,T,HV,64],\n"
         "h, dh [B, NT, HV, 128, 128] (V-first with state_v_first); fp32 g [B,T,HV,128], beta [B,T,HV]. Writes fp32\n"
         "dq, dk, dg [B,T,HV,128], db [B,T,HV], dA [B,T,HV,64] and bf16 dv2 [B,T,HV,128] on the sequences' rows.\n"
+        "With fp32 dAqk [B,T,HV,64] and gate_shift = -lower_bound / ln 2 (safe_gate): chunk_kda_bwd_intra fused in,\n"
+        "dq, dk, dg, db include its terms, dA must be None (not written). With H == HV, fp32 q_rstd, k_rstd [B,T,H]\n"
+        "and bf16 dqx, dkx [B,T,H,128] as well (q, k the l2-normalized ones): FLA's l2norm_bwd fused, dqx, dkx =\n"
+        "rstd (dy - y (y . dy)) of the final dq, dk.\n"
         "Varlen: B = 1, cu_seqlens [N+1] and chunk_indices [chunks, 2] (FLA's prepare_chunk_indices), int32/int64.\n"
         "All contiguous. TypeError / ValueError before any CUDA call, RuntimeError for CUDA errors.");
   m.def("kda_combine", &kda_combine_api, py::arg("seg_H"), py::arg("seg_M"),

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from fla.modules.norm.l2norm import l2norm_bwd
 from fla.ops.common.gate import fused_beta_sigmoid_bwd
 from fla.ops.simple_gla.chunk import chunk_simple_gla_bwd
 from fla.ops.utils import prepare_chunk_indices
@@ -114,10 +113,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             chunk_size=cfg.chunk_size, safe_gate=cfg.safe_gate, lower_bound=cfg.lower_bound,
             use_gate_in_kernel=cfg.use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
             disable_recompute=cfg.disable_recompute, w=w, u=u, qg=qg, kg=kg, v_new=v_new, h=h,
-            chunk_offsets=chunk_offsets)
-        if cfg.use_qk_l2norm_in_kernel:
-            dq = l2norm_bwd(q, q_rstd, dq)
-            dk = l2norm_bwd(k, k_rstd, dk)
+            chunk_offsets=chunk_offsets, q_rstd=q_rstd, k_rstd=k_rstd)  # with the rstds: dq, dk w.r.t. raw q, k
         if cfg.use_beta_sigmoid_in_kernel:
             db = fused_beta_sigmoid_bwd(x=beta_raw, dy=db, scale=2.0 if cfg.allow_neg_eigval else 1.0)
         return (None, None, None, None, dq.to(q), dk.to(k), dv.to(v), dg.to(g_input), db.to(beta_raw), dA, dbias,

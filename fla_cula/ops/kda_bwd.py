@@ -5,13 +5,15 @@ buffers): the recompute of g, w, u, qg, kg, h and v_new; dAqk and dv from do (``
 backward (``chunk_gated_delta_rule_bwd_dhu``); the chunk-local gradients (``chunk_kda_bwd_wy_dqkg_fused``); the intra
 sub-chunk gradients (``chunk_kda_bwd_intra``); the GVA reductions; dg's reverse cumsum and the gate backward.
 fla_cula replaces the chunk-local gradients with ``_C.kda_bwd_wy`` (csrc/kda_sm90/kda_bwd_wy_kernel.cuh: the same
-math and rounding points; docs/kda_bwd_sm90.md) wherever it applies, route ``chunk_kda_bwd_wy`` in
-``fla_cula.status()``; every other step is FLA's function.
+math and rounding points; route ``chunk_kda_bwd_wy``) and the intra sub-chunk gradients with ``_C.kda_bwd_intra``
+(kda_bwd_intra_kernel.cuh: the same sums in fp32; route ``chunk_kda_bwd_intra``) wherever they apply
+(docs/kda_bwd_sm90.md); every other step is FLA's function.
 """
 
 from __future__ import annotations
 
 import torch
+from fla.modules.norm.l2norm import l2norm_bwd
 from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
 from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv, chunk_kda_bwd_wy_dqkg_fused
 from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
@@ -23,10 +25,23 @@ from fla.ops.utils.constant import RCP_LN2
 from fla_cula import _ext, routing
 
 OP_WY = "chunk_kda_bwd_wy"
+OP_INTRA = "chunk_kda_bwd_intra"
+OP_L2NORM = "chunk_kda_bwd_l2norm"
 FLA_CHUNK_KDA_BWD_WY = chunk_kda_bwd_wy_dqkg_fused
-# False: FLA's Triton kernel for the chunk-local gradients whatever the inputs. FLA_CULA_STAND_IN=1 turns it off too:
-# the stand-in's training path is FLA's backward bit for bit (tests/gpu/test_training_path.py, test_integration_gpu.py).
+FLA_CHUNK_KDA_BWD_INTRA = chunk_kda_bwd_intra
+# False: FLA's Triton kernels for these steps whatever the inputs. FLA_CULA_STAND_IN=1 turns both off too: the
+# stand-in's training path is FLA's backward bit for bit (tests/gpu/test_training_path.py, test_integration_gpu.py).
 WY_KERNEL = True
+INTRA_KERNEL = True
+# kda_bwd_intra's anchors form exp2 factors up to 2^(7.5 shift), shift = -lower_bound / ln 2: within fp32 (< 2^126)
+# for lower_bound >= -11.5 (csrc/kda_sm90/kda_bwd_intra_kernel.cuh)
+INTRA_MIN_LOWER_BOUND = -11.5
+# True: where both kernels apply, the intra step runs inside kda_bwd_wy's kernel (one pass over each chunk: dAkk
+# never leaves shared memory; dq, dk, dg are re-read from L2); False: kda_bwd_intra runs after kda_bwd_wy.
+FUSED_INTRA = True
+# True: with the intra step fused, H == HV and q, k l2-normalized in kernel, FLA's l2norm_bwd of q and k runs in the
+# same kernel too (dq, dk leave in bf16 w.r.t. the raw q, k); False: FLA's l2norm_bwd after chunk_kda_bwd's steps.
+FUSED_L2NORM = True
 
 
 def wy_reason(q, k, v, v_new, g, beta, A, h, do, dh, dv, chunk_size: int) -> str | None:
@@ -55,8 +70,10 @@ def wy_reason(q, k, v, v_new, g, beta, A, h, do, dh, dv, chunk_size: int) -> str
 
 
 def bwd_wy(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_first, cu_seqlens, chunk_size, chunk_indices,
-           chunk_offsets):
-    """FLA's chunk_kda_bwd_wy_dqkg_fused (same arguments and results): -> dq, dk, dv, db, dg, dA."""
+           chunk_offsets, dAqk=None, lower_bound=None, q_rstd=None, k_rstd=None):
+    """FLA's chunk_kda_bwd_wy_dqkg_fused (same arguments and results): -> dq, dk, dv, db, dg, dA. With dAqk (and
+    the gate's lower_bound) where our kernel runs: chunk_kda_bwd_intra fused in, dq, dk, db, dg final and dA None;
+    with q_rstd, k_rstd too (H == HV): FLA's l2norm_bwd fused as well, dq, dk then bf16 w.r.t. the raw q, k."""
     use = WY_KERNEL and routing.enabled() and not routing.stand_in()
     reason = wy_reason(q, k, v, v_new, g, beta, A, h, do, dh, dv, chunk_size) if use else None
     if not use or reason is not None:
@@ -73,18 +90,88 @@ def bwd_wy(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_first, cu_s
     dv2 = torch.empty_like(v)
     dg = torch.empty_like(g, dtype=torch.float)
     db = torch.empty_like(beta, dtype=torch.float)
-    dA = torch.empty_like(A, dtype=torch.float)
+    dA = None if dAqk is not None else torch.empty_like(A, dtype=torch.float)
+    l2 = dAqk is not None and q_rstd is not None
+    dqx, dkx = (torch.empty_like(q), torch.empty_like(k)) if l2 else (None, None)
     _ext.require().kda_bwd_wy(q, k, v, v_new, g, beta, A, h, do, dh, dv, dq, dk, dv2, dg, db, dA,
-                              K ** -0.5 if scale is None else scale, state_v_first, cu_seqlens, chunk_indices)
+                              K ** -0.5 if scale is None else scale, state_v_first, cu_seqlens, chunk_indices,
+                              dAqk, 0.0 if dAqk is None else -lower_bound * RCP_LN2, q_rstd if l2 else None,
+                              k_rstd if l2 else None, dqx, dkx)
     routing.record_kernel(OP_WY)
+    if dAqk is not None:
+        routing.record_kernel(OP_INTRA)
+    if l2:
+        routing.record_kernel(OP_L2NORM)
+        return dqx, dkx, dv2, db, dg, dA
     return dq, dk, dv2, db, dg, dA
+
+
+def intra_reason(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size: int, safe_gate: bool,
+                 lower_bound, gate_in_kernel: bool = False) -> str | None:
+    """Why kda_bwd_intra cannot take these tensors (None: it can; dAkk, dq, dk, db, dg may be None: the fused form,
+    where kda_bwd_wy's kernel makes them)."""
+    # every per-token step of g in [lower_bound, 0]: FLA's in-kernel gate with lower_bound is lower_bound * sigmoid(.)
+    # by construction; a precomputed gate has it only as safe_gate's promise
+    if lower_bound is None or not lower_bound < 0 or not (safe_gate or gate_in_kernel):
+        return ("a per-token gate bound needed: lower_bound < 0 with the gate computed in kernel or safe_gate (the "
+                "kernel's exp2 anchors rely on it)")
+    if lower_bound < INTRA_MIN_LOWER_BOUND:
+        return (f"lower_bound={lower_bound} < {INTRA_MIN_LOWER_BOUND}: the kernel's anchored exp2 factors "
+                "(up to 2^(-7.5 lower_bound / ln 2)) would leave fp32")
+    ok, why = _ext.available()
+    if not ok:
+        return why
+    r = routing.device_reason(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg)
+    if r is not None:
+        return r
+    if chunk_size != 64:
+        return f"chunk_size={chunk_size}: the kernel takes 64"
+    if q.shape[-1] != 128:
+        return f"K={q.shape[-1]}: the kernel takes K = 128"
+    for name, t, dt in (("q", q, torch.bfloat16), ("k", k, torch.bfloat16), ("g", g, torch.float32),
+                        ("beta", beta, torch.float32), ("dAqk", dAqk, torch.float32), ("dAkk", dAkk, torch.float32),
+                        ("dq", dq, torch.float32), ("dk", dk, torch.float32), ("db", db, torch.float32),
+                        ("dg", dg, torch.float32)):
+        if t is None:
+            continue
+        if t.dtype != dt:
+            return f"{name} is {t.dtype}: the kernel takes {dt}"
+        if not t.is_contiguous():
+            return f"{name} is not contiguous"
+        if t.data_ptr() % 16 and name not in ("beta", "db"):
+            return f"{name} is not 16-byte aligned"
+    return None
+
+
+def bwd_intra(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens, chunk_indices, chunk_size, safe_gate,
+              lower_bound, gate_in_kernel=False):
+    """FLA's chunk_kda_bwd_intra (same arguments and results): -> dq, dk, db, dg."""
+    use = INTRA_KERNEL and routing.enabled() and not routing.stand_in()
+    reason = (intra_reason(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, safe_gate, lower_bound,
+                           gate_in_kernel)
+              if use else None)
+    if not use or reason is not None:
+        if reason is not None:
+            routing.record_fallback(OP_INTRA, reason)
+        return FLA_CHUNK_KDA_BWD_INTRA(q=q, k=k, g=g, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg,
+                                       cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=chunk_size,
+                                       safe_gate=safe_gate)
+    if cu_seqlens is not None and chunk_indices is None:
+        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
+    dq2, dk2, dg2, db2 = torch.empty_like(dq), torch.empty_like(dk), torch.empty_like(dg), torch.empty_like(db)
+    _ext.require().kda_bwd_intra(q, k, g, beta, dAqk, dAkk, dq, dk, dg, db, dq2, dk2, dg2, db2,
+                                 -lower_bound * RCP_LN2, cu_seqlens, chunk_indices)
+    routing.record_kernel(OP_INTRA)
+    return dq2, dk2, db2, dg2
 
 
 def chunk_kda_bwd(q, k, v, beta, Aqk, Akk, scale, initial_state, do, dht, g=None, g_org=None, state_v_first=False,
                   cu_seqlens=None, chunk_indices=None, chunk_size=64, safe_gate=False, lower_bound=None,
                   use_gate_in_kernel=False, A_log=None, dt_bias=None, disable_recompute=False, chunk_offsets=None,
-                  w=None, u=None, qg=None, kg=None, v_new=None, h=None):
-    """FLA 0.6.0's chunk_kda_bwd (cp_context None, use_graph False): -> dq, dk, dv, db, dg, dh0, dA, dbias."""
+                  w=None, u=None, qg=None, kg=None, v_new=None, h=None, q_rstd=None, k_rstd=None):
+    """FLA 0.6.0's chunk_kda_bwd (cp_context None, use_graph False): -> dq, dk, dv, db, dg, dh0, dA, dbias. With
+    q_rstd, k_rstd (q, k l2-normalized in kernel; FLA's autograd applies l2norm_bwd after this function): dq, dk
+    come back w.r.t. the raw q, k, FLA's l2norm_bwd applied here (fused into our kernel where it can be)."""
     H, HV = q.shape[2], v.shape[2]
     if not disable_recompute:
         if use_gate_in_kernel:
@@ -102,14 +189,22 @@ def chunk_kda_bwd(q, k, v, beta, Aqk, Akk, scale, initial_state, do, dht, g=None
                                                  scale=scale, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                                                  chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,
                                                  state_v_first=state_v_first)
+    fuse = (FUSED_INTRA and INTRA_KERNEL and routing.enabled() and not routing.stand_in()
+            and intra_reason(q, k, g, beta, dAqk, None, None, None, None, None, chunk_size, safe_gate,
+                             lower_bound, use_gate_in_kernel) is None)
+    l2 = fuse and FUSED_L2NORM and q_rstd is not None and HV == H
     dq, dk, dv, db, dg, dAkk = bwd_wy(q, k, v, v_new, g, beta, Akk, h, do, dh, dv, scale, state_v_first, cu_seqlens,
-                                      chunk_size, chunk_indices, chunk_offsets)
-    dq, dk, db, dg = chunk_kda_bwd_intra(q=q, k=k, g=g, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db, dg=dg,
-                                         cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=chunk_size,
-                                         safe_gate=safe_gate)
+                                      chunk_size, chunk_indices, chunk_offsets, dAqk=dAqk if fuse else None,
+                                      lower_bound=lower_bound, q_rstd=q_rstd if l2 else None,
+                                      k_rstd=k_rstd if l2 else None)
+    if dAkk is not None:  # not fused (or FLA's wy ran): the intra step on its own
+        dq, dk, db, dg = bwd_intra(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens, chunk_indices, chunk_size,
+                                   safe_gate, lower_bound, use_gate_in_kernel)
     if HV > H:  # GVA: dq, dk back from value heads to heads
         dq = dq.view(*dq.shape[:2], H, HV // H, dq.shape[-1]).sum(dim=3)
         dk = dk.view(*dk.shape[:2], H, HV // H, dk.shape[-1]).sum(dim=3)
+    if q_rstd is not None and not (l2 and dAkk is None):  # the l2norm backward not fused: FLA's
+        dq, dk = l2norm_bwd(q, q_rstd, dq), l2norm_bwd(k, k_rstd, dk)
     dA, dbias = None, None
     dg = chunk_local_cumsum(dg, chunk_size=chunk_size, reverse=True, cu_seqlens=cu_seqlens,
                             chunk_indices=chunk_indices)

@@ -13,8 +13,8 @@ from fla_cula import _ext
 from fla_cula.ops import kda as ops_kda
 from fla_cula.ops import kda_bwd
 from fla_cula.reference.compare import rel_rms
-from fla_cula.reference.kda import bwd_wy_reference
-from tests.test_kda_bwd_compile import bwd_wy_inputs, chunk_indices_of
+from fla_cula.reference.kda import bwd_intra_reference, bwd_wy_reference
+from tests.test_kda_bwd_compile import LOWER_BOUND, bwd_intra_inputs, bwd_wy_inputs, chunk_indices_of
 
 CASES = {
     "B1-T100-vfirst": dict(B=1, T=100, H=1, HV=1),
@@ -110,5 +110,157 @@ def test_training_step_runs_the_kernel_strict(strict_mode, monkeypatch):
         if name == "cula":
             st = fla_cula.status()
             assert st.get(kda_bwd.OP_WY, {}).get("kernel", 0) == 1, st
+            assert st.get(kda_bwd.OP_INTRA, {}).get("kernel", 0) == 1, st
     for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads["fla"], grads["cula"], strict=True):
         assert rel_rms(b.double(), a.double()) < 2e-2, f"{n}: rel RMS vs FLA {rel_rms(b.double(), a.double()):.2e}"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bwd_intra_against_fp64_and_fla(case):
+    """kda_bwd_intra's added terms (the output less the incoming gradient) against the fp64 model, within 1.5x of
+    FLA's chunk_kda_bwd_intra's error on the same inputs (FLA: tf32 products off the diagonal sub-chunks)."""
+    import math
+
+    kw = {n: v for n, v in CASES[case].items() if n != "state_v_first"}
+    lens = kw.get("lens")
+    x = _cuda(bwd_intra_inputs(**kw, seed=11))
+    ci = None if lens is None else chunk_indices_of(lens).cuda()
+    cu = x["cu_seqlens"]
+    before = {n: t.clone() for n, t in x.items() if isinstance(t, torch.Tensor)}
+    out = {n: torch.full_like(x[n], float("nan")) for n in ("dq", "dk", "dg", "db")}
+    _ext.require().kda_bwd_intra(x["q"], x["k"], x["g"], x["beta"], x["dAqk"], x["dAkk"], x["dq"], x["dk"], x["dg"],
+                                 x["db"], out["dq"], out["dk"], out["dg"], out["db"], -LOWER_BOUND / math.log(2), cu,
+                                 ci)
+    torch.cuda.synchronize()
+    for n, t in before.items():
+        assert torch.equal(t, x[n]), f"input {n} modified"
+    fdq, fdk, fdb, fdg = kda_bwd.FLA_CHUNK_KDA_BWD_INTRA(
+        q=x["q"], k=x["k"], g=x["g"], beta=x["beta"], dAqk=x["dAqk"], dAkk=x["dAkk"], dq=x["dq"].clone(),
+        dk=x["dk"].clone(), db=x["db"].clone(), dg=x["dg"].clone(), cu_seqlens=cu,
+        chunk_indices=None if ci is None else ci.long(), chunk_size=64, safe_gate=True, lower_bound=LOWER_BOUND)
+    fla = {"dq": fdq, "dk": fdk, "db": fdb, "dg": fdg}
+    cpu = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+    ref = bwd_intra_reference(cpu["q"], cpu["k"], cpu["g"], cpu["beta"], cpu["dAqk"], cpu["dAkk"], cpu["dq"], cpu["dk"],
+                              cpu["db"], cpu["dg"], cpu["cu_seqlens"])
+    report = []
+    for n in ("dq", "dk", "db", "dg"):
+        inc = cpu[n].double()
+        o = out[n].cpu().double()
+        assert not o.isnan().any(), f"{n}: {int(o.isnan().sum())} entries unwritten (NaN)"
+        e_ours = rel_rms(o - inc, ref[n] - inc)
+        e_fla = rel_rms(fla[n].cpu().double() - inc, ref[n] - inc)
+        report.append(f"{n} {e_ours:.2e}/{e_fla:.2e}")
+        assert e_ours <= 1.5 * e_fla + 1e-5, f"{n}: rel RMS vs fp64 {e_ours:.2e}, FLA's {e_fla:.2e}"
+    print(f"  {case}: intra terms, ours / FLA vs fp64: " + " ".join(report))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bwd_wy_fused_intra_against_fp64_and_fla(case):
+    """kda_bwd_wy with dAqk (chunk_kda_bwd_intra fused in) against FLA's two kernels in sequence and the two fp64
+    models composed the same way (each within 1.5x of FLA's error, plus an fp32 floor), and against our own two
+    kernels in sequence (plain kda_bwd_wy, then kda_bwd_intra): the same values up to summation order."""
+    import math
+
+    kw = dict(CASES[case])
+    lens = kw.get("lens")
+    x = _cuda(bwd_wy_inputs(**kw, seed=9))
+    B, T, H, _ = x["q"].shape
+    HV = x["v"].shape[2]
+    dAqk = _cuda(bwd_intra_inputs(B=B, T=T, H=H, HV=HV, lens=lens, seed=9))["dAqk"]
+    ci = None if lens is None else chunk_indices_of(lens).cuda()
+    cu, shift, C = x["cu_seqlens"], -LOWER_BOUND / math.log(2), _ext.require()
+    args = [x[n] for n in ("q", "k", "v", "v_new", "g", "beta", "A", "h", "do", "dh", "dv")]
+
+    def outputs():
+        o = {n: torch.full((B, T, HV, 128), float("nan"), device="cuda") for n in ("dq", "dk", "dg")}
+        o["dv2"] = torch.full((B, T, HV, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+        o["db"] = torch.full((B, T, HV), float("nan"), device="cuda")
+        return o
+
+    fused, plain = outputs(), outputs()
+    before = dAqk.clone()
+    C.kda_bwd_wy(*args, fused["dq"], fused["dk"], fused["dv2"], fused["dg"], fused["db"], None, 128 ** -0.5,
+                 x["state_v_first"], cu, ci, dAqk, shift)
+    dA = torch.full((B, T, HV, 64), float("nan"), device="cuda")
+    C.kda_bwd_wy(*args, plain["dq"], plain["dk"], plain["dv2"], plain["dg"], plain["db"], dA, 128 ** -0.5,
+                 x["state_v_first"], cu, ci)
+    C.kda_bwd_intra(x["q"], x["k"], x["g"], x["beta"], dAqk, dA, plain["dq"], plain["dk"], plain["dg"], plain["db"],
+                    plain["dq"], plain["dk"], plain["dg"], plain["db"], shift, cu, ci)
+    torch.cuda.synchronize()
+    assert torch.equal(before, dAqk), "dAqk modified"
+    ck = None if ci is None else ci.long()
+    f = kda_bwd.FLA_CHUNK_KDA_BWD_WY(q=x["q"], k=x["k"], v=x["v"], v_new=x["v_new"], g=x["g"], beta=x["beta"],
+                                     A=x["A"], h=x["h"], do=x["do"], dh=x["dh"], dv=x["dv"], scale=128 ** -0.5,
+                                     state_v_first=x["state_v_first"], cu_seqlens=cu, chunk_indices=ck)
+    fdq, fdk, fdb, fdg = kda_bwd.FLA_CHUNK_KDA_BWD_INTRA(
+        q=x["q"], k=x["k"], g=x["g"], beta=x["beta"], dAqk=dAqk, dAkk=f[5], dq=f[0], dk=f[1], db=f[3], dg=f[4],
+        cu_seqlens=cu, chunk_indices=ck, chunk_size=64, safe_gate=True, lower_bound=LOWER_BOUND)
+    fla = {"dq": fdq, "dk": fdk, "db": fdb, "dg": fdg, "dv2": f[2]}
+    cpu = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+    wy = bwd_wy_reference(cpu["q"], cpu["k"], cpu["v"], cpu["v_new"], cpu["g"], cpu["beta"], cpu["A"], cpu["h"],
+                          cpu["do"], cpu["dh"], cpu["dv"], 128 ** -0.5, cpu["state_v_first"], cpu["cu_seqlens"])
+    ref = bwd_intra_reference(cpu["q"], cpu["k"], cpu["g"], cpu["beta"], dAqk.cpu(), wy["dA"], wy["dq"], wy["dk"],
+                              wy["db"], wy["dg"], cpu["cu_seqlens"])
+    ref["dv2"] = wy["dv2"]
+    report = []
+    for n in ("dq", "dk", "dv2", "db", "dg"):
+        o = fused[n].cpu().double()
+        assert not o.isnan().any(), f"{n}: {int(o.isnan().sum())} entries unwritten (NaN)"
+        assert rel_rms(o, plain[n].cpu().double()) < 1e-6, f"{n}: fused differs from wy + intra"
+        e_ours, e_fla = rel_rms(o, ref[n]), rel_rms(fla[n].cpu().double(), ref[n])
+        report.append(f"{n} {e_ours:.2e}/{e_fla:.2e}")
+        floor = 4e-3 if n == "dv2" else 1e-5
+        assert e_ours <= 1.5 * e_fla + floor, f"{n}: rel RMS vs fp64 {e_ours:.2e}, FLA's {e_fla:.2e}"
+    print(f"  {case}: fused wy + intra, ours / FLA vs fp64: " + " ".join(report))
+
+
+def test_bwd_wy_fused_rejects_bad_arguments():
+    x = _cuda(bwd_wy_inputs(B=1, T=64, H=1, HV=1))
+    o = {n: torch.empty(1, 64, 1, 128, device="cuda") for n in ("dq", "dk", "dg")}
+    args = [x["q"], x["k"], x["v"], x["v_new"], x["g"], x["beta"], x["A"], x["h"], x["do"], x["dh"], x["dv"],
+            o["dq"], o["dk"], torch.empty_like(x["v"]), o["dg"], torch.empty(1, 64, 1, device="cuda")]
+    dAqk, dA = torch.zeros(1, 64, 1, 64, device="cuda"), torch.empty(1, 64, 1, 64, device="cuda")
+    C = _ext.require()
+    with pytest.raises(ValueError, match="dA must be None"):
+        C.kda_bwd_wy(*args, dA, 1.0, True, None, None, dAqk, 7.0)
+    with pytest.raises(ValueError, match="gate_shift"):
+        C.kda_bwd_wy(*args, None, 1.0, True, None, None, dAqk, 20.0)
+    with pytest.raises(ValueError, match="dAqk"):
+        C.kda_bwd_wy(*args, None, 1.0, True, None, None, dAqk[:, :, :, :32].contiguous(), 7.0)
+
+
+@pytest.mark.parametrize("case", ["B1-T100-vfirst", "B1-T4096-H4-vfirst"])
+def test_bwd_wy_fused_l2norm_matches_fla_l2norm_bwd(case):
+    """kda_bwd_wy with dAqk, q_rstd, k_rstd (H == HV): dqx, dkx against FLA's l2norm_bwd applied to the same call's
+    final dq, dk (which the kernel still writes), within bf16's rounding; dg, db, dv2 as without it."""
+    import math
+
+    from fla.modules.norm.l2norm import l2norm_bwd
+
+    kw = dict(CASES[case])
+    x = _cuda(bwd_wy_inputs(**kw, seed=13))
+    B, T, H, _ = x["q"].shape
+    dAqk = _cuda(bwd_intra_inputs(B=B, T=T, H=H, HV=H, seed=13))["dAqk"]
+    rstd = [torch.rand(B, T, H, device="cuda") + 0.5 for _ in range(2)]
+    args = [x[n] for n in ("q", "k", "v", "v_new", "g", "beta", "A", "h", "do", "dh", "dv")]
+    C, shift = _ext.require(), -LOWER_BOUND / math.log(2)
+    outs = []
+    for l2 in (False, True):
+        o = {n: torch.full((B, T, H, 128), float("nan"), device="cuda") for n in ("dq", "dk", "dg")}
+        o["dv2"] = torch.full((B, T, H, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+        o["db"] = torch.full((B, T, H), float("nan"), device="cuda")
+        o["dqx"], o["dkx"] = (torch.full_like(x["q"], float("nan")) for _ in range(2))
+        extra = (rstd[0], rstd[1], o["dqx"], o["dkx"]) if l2 else (None, None, None, None)
+        C.kda_bwd_wy(*args, o["dq"], o["dk"], o["dv2"], o["dg"], o["db"], None, 128 ** -0.5, x["state_v_first"],
+                     None, None, dAqk, shift, *extra)
+        outs.append(o)
+    torch.cuda.synchronize()
+    base, got = outs
+    for n in ("dq", "dk", "dg", "db", "dv2"):
+        assert rel_rms(got[n].double(), base[n].double()) < 1e-6, f"{n} differs with the l2norm backward fused"
+    for n, y, r in (("q", x["q"], rstd[0]), ("k", x["k"], rstd[1])):
+        ref = l2norm_bwd(y, r, got["d" + n])
+        o = got[f"d{n}x"]
+        assert not o.isnan().any(), f"d{n}x: unwritten entries"
+        err = rel_rms(o.double(), ref.double())
+        assert err < 8e-3, f"d{n}x: rel RMS {err:.2e} vs FLA's l2norm_bwd (both bf16)"

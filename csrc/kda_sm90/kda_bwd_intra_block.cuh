@@ -1,0 +1,225 @@
+// The intra-chunk step of the KDA backward as a warp-level device function: the gradients through the chunk-local
+// Aqk and Akk (FLA's chunk_kda_bwd_intra; docs/kda_bwd_sm90.md), used by kda_bwd_intra_kernel and by kda_bwd_wy's
+// fused form.
+//
+// Per (chunk, value head), tokens t, s < L of the chunk, channel c, E_tsc = exp2(g_tc - g_sc) for s <= t:
+//   dq_t  += sum_s dAqk[t][s] E_ts k_s                      (row side)
+//   dk'_t  = sum_{s<t} dAkk[t][s] E_ts k_s,   db_t += sum_c dk'_tc k_tc,   dk_t += beta_t dk'_t
+//   dkt_s  = sum_{t>=s} E_ts (dAqk[t][s] q_t + dAkk[t][s] beta_t k_t)      (column side),   dk_s += dkt_s
+//   dg_t  += q_t dq'_t + (beta_t dk'_t - dkt_t) k_t       (dq' the row side's dq term)
+// as 16 x 16 x 16-token block products on the tensor cores. Blocks I, J of 16 tokens start at rows r_I = 16 I;
+// D_m = exp2(g_{r_{m+1}} - g_{r_m}) per channel (<= 1). Off the diagonal every factor is <= 1:
+//   row side of block I:    sum_{J<I} exp2(g_t - g_{r_I}) prod_{J<m<I} D_m (dA_IJ (k_J exp2(g_{r_{J+1}} - g_J)))
+//   column side of block J: sum_{I>J} exp2(g_{r_{J+1}} - g_s) prod_{J<m<I} D_m (dA_IJ^T (x_I exp2(g_I - g_{r_I})))
+// (x = q or beta k), summed Horner-wise over the blocks with the per-channel D_m applied to the accumulators. The
+// diagonal block uses the anchor a_I = g_{r_I} - 7.5 shift (shift >= the largest per-token decay in log2,
+// safe_gate's -lower_bound / ln 2): its factors exp2(g_t - a_I), exp2(a_I - g_s) lie in [2^-7.5 shift, 2^7.5 shift],
+// inside fp32 for shift < 16.8 (lower_bound > -11.6). Each product is bf16x3: an fp32 operand x = hi + lo (two
+// bf16), hi hi + hi lo + lo hi with fp32 accumulation (~2^-17 relative; FLA: tf32, 2^-11). Warp w computes block
+// I = w % 4 on both sides for the 32 channels 32 (w / 4) ..: I + 1 block pairs on the row side, 4 - I on the
+// column side, five each (16 warps per chunk and value head). Shared tiles: g fp32 [64][kLdG], q, k bf16 [64][kLdK],
+// beta [64], dAqk, dAkk fp32 [64][kLdF] ([t][s]); rows >= L zero.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kda_sm90/kda_fwd_kernel.cuh"
+
+namespace fla_cula::kda_sm90 {
+
+// x = hi + lo for a pair of fp32 values: two packed bf16 pairs (the first value in the low halves)
+struct Bf16x2Split {
+  uint32_t hi, lo;
+};
+__device__ __forceinline__ Bf16x2Split split_bf16x2(float a, float b) {
+  uint32_t const hi = pack_bf16(a, b);
+  return {hi, pack_bf16(a - bf16_lo(hi), b - bf16_hi(hi))};
+}
+
+// An m16n8k16 operand pair split in hi and lo: A as a0..a3, B as b0, b1 (mma_bf16_16816's registers)
+struct FragA3 {
+  uint32_t hi[4], lo[4];
+};
+struct FragB3 {
+  uint32_t hi[2], lo[2];
+};
+
+// acc += A B in bf16x3 (the small terms first)
+__device__ __forceinline__ void mma3(float (&acc)[4], FragA3 const& a, FragB3 const& b) {
+  mma_bf16_16816(acc, a.lo[0], a.lo[1], a.lo[2], a.lo[3], b.hi[0], b.hi[1]);
+  mma_bf16_16816(acc, a.hi[0], a.hi[1], a.hi[2], a.hi[3], b.lo[0], b.lo[1]);
+  mma_bf16_16816(acc, a.hi[0], a.hi[1], a.hi[2], a.hi[3], b.hi[0], b.hi[1]);
+}
+
+// The A fragment of the 16 x 16 tile at rows m0, columns k0 of the fp32 [t][s] tile dA (kTrans: of its transpose,
+// A[m][k] = dA[k][m]), keeping the entries with t - s >= d within the tile (d = -16: all).
+template <bool kTrans>
+__device__ __forceinline__ FragA3 frag_a(float const* dA, int m0, int k0, int d, int lane) {
+  int const g8 = lane >> 2, t4 = lane & 3;
+  FragA3 f;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {  // a0: (g8, 2t4), a1: (g8 + 8, 2t4), a2: (g8, 2t4 + 8), a3: (g8 + 8, 2t4 + 8)
+    int const m = g8 + 8 * (r & 1), kk = 2 * t4 + 8 * (r >> 1);
+    float x0, x1;
+    if constexpr (kTrans) {
+      x0 = dA[(k0 + kk) * kLdF + m0 + m];
+      x1 = dA[(k0 + kk + 1) * kLdF + m0 + m];
+    } else {
+      float2 const x = *reinterpret_cast<float2 const*>(dA + (m0 + m) * kLdF + k0 + kk);
+      x0 = x.x;
+      x1 = x.y;
+    }
+    int const ts = kTrans ? kk - m : m - kk;  // t - s of x0 (x1: the next k)
+    x0 = ts >= d ? x0 : 0.f;
+    x1 = (kTrans ? ts + 1 : ts - 1) >= d ? x1 : 0.f;
+    Bf16x2Split const s = split_bf16x2(x0, x1);
+    f.hi[r] = s.hi;
+    f.lo[r] = s.lo;
+  }
+  return f;
+}
+
+// acc[nt] *= f(c) at the accumulator columns c = c0 + 8 nt + 2 t4 + {0, 1}
+template <class F>
+__device__ __forceinline__ void scale_columns(float (&acc)[4][4], int c0, int lane, F const& f) {
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float const s = f(c0 + 8 * nt + 2 * (lane & 3) + e);
+      acc[nt][e] *= s;
+      acc[nt][2 + e] *= s;
+    }
+  }
+}
+
+// The shared tiles of one (chunk, value head)
+struct IntraTiles {
+  float const* g;
+  bf16 const* q;
+  bf16 const* k;
+  float const* beta;
+  float const* dAqk;
+  float const* dAkk;
+};
+
+// The block products of warp (I, channels c0 ..): aq = dq', ak = dk' (row side), at = dkt (column side) of block I,
+// all relative to a_I (the epilogue's exp2(g_t - a_I), row side, and exp2(a_I - g_s), column side, still to apply).
+// Nothing for a block without tokens (I > top).
+__device__ __forceinline__ void intra_products(IntraTiles const& tl, int L, float shift, int I, int c0, int lane,
+                                               float (&aq)[4][4], float (&ak)[4][4], float (&at)[4][4]) {
+  int const g8 = lane >> 2, t4 = lane & 3, r0 = 16 * I, top = (L - 1) >> 4;
+  float const up = ex2(7.5f * shift), down = ex2(-7.5f * shift);  // exp2(+-(g_{r_I} - a_I))
+  auto gs = [&](int t, int c) { return tl.g[t * kLdG + c]; };
+  auto kf = [&](int t, int c) { return __bfloat162float(tl.k[t * kLdK + c]); };
+  auto qf = [&](int t, int c) { return __bfloat162float(tl.q[t * kLdK + c]); };
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) aq[nt][e] = ak[nt][e] = at[nt][e] = 0.f;
+  if (I > top) return;
+#pragma unroll
+  for (int J = 0; J < 4; ++J) {  // unrolled: every address below is a constant offset; J > I: nothing
+    if (J > I) break;
+    bool const diag = J == I;
+    if (J > 0 && !diag) scale_columns(aq, c0, lane, [&](int c) { return ex2(gs(16 * J + 16, c) - gs(16 * J, c)); });
+    if (J > 0 && !diag) scale_columns(ak, c0, lane, [&](int c) { return ex2(gs(16 * J + 16, c) - gs(16 * J, c)); });
+    if (diag && I > 0) {
+      scale_columns(aq, c0, lane, [&](int) { return down; });  // exp2(g_t - g_{r_I}) = exp2(g_t - a_I) down
+      scale_columns(ak, c0, lane, [&](int) { return down; });
+    }
+    FragA3 const fq = frag_a<false>(tl.dAqk, r0, 16 * J, diag ? 0 : -16, lane);   // s <= t
+    FragA3 const fk = frag_a<false>(tl.dAkk, r0, 16 * J, diag ? 1 : -16, lane);   // s < t
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      int const c = c0 + 8 * nt + g8;
+      float const ref = diag ? gs(r0, c) - 7.5f * shift : gs(16 * J + 16, c);
+      float x[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {  // tokens s = 16 J + 2 t4 + {0, 1, 8, 9}
+        int const s = 16 * J + 2 * t4 + (e & 1) + 8 * (e >> 1);
+        x[e] = s < L ? kf(s, c) * ex2(ref - gs(s, c)) : 0.f;
+      }
+      Bf16x2Split const b0 = split_bf16x2(x[0], x[1]), b1 = split_bf16x2(x[2], x[3]);
+      FragB3 const fb{{b0.hi, b1.hi}, {b0.lo, b1.lo}};
+      mma3(aq[nt], fq, fb);
+      mma3(ak[nt], fk, fb);
+    }
+  }
+#pragma unroll
+  for (int J = 3; J >= 0; --J) {  // J: the row block of dA here, I its column block
+    if (J > top) continue;
+    if (J < I) break;
+    bool const diag = J == I;
+    if (J < top && !diag) scale_columns(at, c0, lane, [&](int c) { return ex2(gs(16 * J + 16, c) - gs(16 * J, c)); });
+    if (diag && J < top) {
+      // exp2(g_{r_{I+1}} - g_s) = exp2(a_I - g_s) exp2(g_{r_{I+1}} - g_{r_I}) up
+      scale_columns(at, c0, lane, [&](int c) { return ex2(gs(r0 + 16, c) - gs(r0, c)) * up; });
+    }
+    FragA3 const fq = frag_a<true>(tl.dAqk, r0, 16 * J, diag ? 0 : -16, lane);  // A[s][t] = dAqk[t][s], t >= s
+    FragA3 const fk = frag_a<true>(tl.dAkk, r0, 16 * J, diag ? 1 : -16, lane);  // t > s
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      int const c = c0 + 8 * nt + g8;
+      float const ref = diag ? gs(r0, c) - 7.5f * shift : gs(16 * J, c);
+      float xq[4], xk[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {  // tokens t = 16 J + 2 t4 + {0, 1, 8, 9}
+        int const t = 16 * J + 2 * t4 + (e & 1) + 8 * (e >> 1);
+        float const f = t < L ? ex2(gs(t, c) - ref) : 0.f;
+        xq[e] = qf(t, c) * f;
+        xk[e] = tl.beta[t] * kf(t, c) * f;
+      }
+      Bf16x2Split const q0 = split_bf16x2(xq[0], xq[1]), q1 = split_bf16x2(xq[2], xq[3]);
+      Bf16x2Split const k0 = split_bf16x2(xk[0], xk[1]), k1 = split_bf16x2(xk[2], xk[3]);
+      mma3(at[nt], fq, FragB3{{q0.hi, q1.hi}, {q0.lo, q1.lo}});
+      mma3(at[nt], fk, FragB3{{k0.hi, k1.hi}, {k0.lo, k1.lo}});
+    }
+  }
+}
+
+// The step's outputs at warp (I, c0)'s accumulator positions (rows t = 16 I + g8 + 8 h < L, channels c = c0 + 8 nt
+// + 2 t4, c + 1): in(t, c) gives the incoming dq, dk, dg there (IntraIn), out(t, c, IntraIn, h, nt) takes the results;
+// dbp[h] gains this lane's share of row t's db term (sum over its channels of dk' k).
+struct IntraIn {
+  float2 dq, dk, dg;
+};
+template <class In, class Out>
+__device__ __forceinline__ void intra_epilogue(IntraTiles const& tl, int L, float shift, int I, int c0, int lane,
+                                               float const (&aq)[4][4], float const (&ak)[4][4],
+                                               float const (&at)[4][4], float (&dbp)[2], In const& in,
+                                               Out const& out) {
+  int const g8 = lane >> 2, t4 = lane & 3, r0 = 16 * I;
+  if (I > (L - 1) >> 4) return;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    int const t = r0 + g8 + 8 * h;
+    if (t >= L) continue;
+    float const b = tl.beta[t];
+    IntraIn xs[4];  // the row's inputs loaded before its first store: out may alias in for all the compiler knows
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) xs[nt] = in(t, c0 + 8 * nt + 2 * t4);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      int const c = c0 + 8 * nt + 2 * t4;
+      IntraIn const& x = xs[nt];
+      float rq[2], rk[2], rg[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float const a = tl.g[r0 * kLdG + c + e] - 7.5f * shift, gt = tl.g[t * kLdG + c + e];
+        float const eq = ex2(gt - a), es = ex2(a - gt);
+        float const dq2 = eq * aq[nt][2 * h + e], dk2 = eq * ak[nt][2 * h + e], dkt = es * at[nt][2 * h + e];
+        float const kk = __bfloat162float(tl.k[t * kLdK + c + e]), qq = __bfloat162float(tl.q[t * kLdK + c + e]);
+        dbp[h] += dk2 * kk;
+        rq[e] = (e ? x.dq.y : x.dq.x) + dq2;
+        rk[e] = (e ? x.dk.y : x.dk.x) + b * dk2 + dkt;
+        rg[e] = (e ? x.dg.y : x.dg.x) + qq * dq2 + (b * dk2 - dkt) * kk;
+      }
+      out(t, c, IntraIn{make_float2(rq[0], rq[1]), make_float2(rk[0], rk[1]), make_float2(rg[0], rg[1])}, h, nt);
+    }
+  }
+}
+
+}  // namespace fla_cula::kda_sm90
