@@ -160,6 +160,8 @@ for j in "$@"; do
       [[ ${SUMMARY[-1]} == *" ok "* ]] || rm -rf build fla_cula/_C*.so /tmp/ab_new/build /tmp/ab_new/fla_cula/_C*.so ;;
     abkda)
       job abkda "${T_KDA:-400}" bash -c "$(declare -f kda_tests); kda_tests /tmp/ab_new" ;;
+    ablight)
+      job ablight "${T_LIGHT:-400}" bash -c "$(declare -f light_tests); light_tests /tmp/ab_new" ;;
     abbuilds)
       ab_trees && job abbuilds "${T_BUILD:-300}" bash -c "$(declare -f abbuilds_run ab_dirs); OUT='$OUT' abbuilds_run"
       [[ ${SUMMARY[-1]} == *" ok "* ]] || rm -rf build fla_cula/_C*.so /tmp/ab_[0-9]*/build /tmp/ab_[0-9]*/fla_cula/_C*.so ;;
