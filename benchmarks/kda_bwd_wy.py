@@ -2,10 +2,11 @@
 inputs, same run.
 
     python -m benchmarks.kda_bwd_wy [--rows '[[2,4096,32],[1,8192,32]]'] [--reps 50] [--vfirst 1]
-                                    [--op wy intra pair fused]
+                                    [--op wy intra pair fused gate]
 
 Ops: wy, intra (each kernel against FLA's); pair (our two kernels in sequence) and fused (kda_bwd_wy with the intra
-step fused in), each against FLA's two kernels in sequence.
+step fused in), each against FLA's two kernels in sequence; gate (kda_bwd_gate and the sums over chunks against FLA's
+chunk_local_cumsum(dg, reverse) + kda_gate_bwd).
 
 Random inputs of the training path's shapes (their values do not change the time); each side timed as the median of
 --reps CUDA-event intervals after a warm-up, in alternating order; the floor beside them is the kernel's bytes
@@ -137,6 +138,38 @@ def ours_pair(x, fused: bool):
     return call
 
 
+def gate_inputs(B: int, T: int, HV: int) -> dict:
+    d = "cuda"
+    return dict(dg=torch.randn(B, T, HV, 128, device=d), g_raw=torch.randn(B, T, HV, 128, device=d).bfloat16(),
+                A_log=torch.randn(HV, device=d), dt_bias=torch.randn(HV * 128, device=d))
+
+
+def ours_gate(x):
+    from fla_cula import _ext
+
+    C = _ext.require()
+    B, T, HV, K = x["dg"].shape
+    dg_raw = torch.empty_like(x["g_raw"])
+    chunks = B * ((T + 63) // 64)
+    dA_part, dbias_part = torch.empty(chunks, HV, device="cuda"), torch.empty(chunks, HV * K, device="cuda")
+
+    def call():  # the kernel and the two sums over chunks that complete dA_log's and dt_bias's gradients
+        C.kda_bwd_gate(x["dg"], x["g_raw"], x["A_log"], x["dt_bias"], -5.0, dg_raw, dA_part, dbias_part)
+        dA_part.sum(0)
+        dbias_part.sum(0)
+    return call
+
+
+def fla_gate(x):
+    from fla.ops.kda.gate import kda_gate_bwd
+    from fla.ops.utils import chunk_local_cumsum
+
+    def call():
+        dyg = chunk_local_cumsum(x["dg"], chunk_size=64, reverse=True)
+        kda_gate_bwd(g=x["g_raw"], A_log=x["A_log"], dt_bias=x["dt_bias"], dyg=dyg, lower_bound=-5.0)
+    return call
+
+
 def _us(call, reps: int) -> list[float]:
     e = [(torch.cuda.Event(True), torch.cuda.Event(True)) for _ in range(reps)]
     for a, b in e:
@@ -159,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="[[2,4096,32],[1,8192,32]]", help="JSON list of [B, T, HV]")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--vfirst", type=int, default=1, help="state layout: 1 V-first (the KDA layer's), 0 K-first")
-    ap.add_argument("--op", nargs="+", choices=("wy", "intra", "pair", "fused"), default=["wy", "intra"])
+    ap.add_argument("--op", nargs="+", choices=("wy", "intra", "pair", "fused", "gate"), default=["wy", "intra"])
     a = ap.parse_args(argv)
     print(f"{'op':>6} {'B':>3} {'T':>6} {'HV':>4} {'FLA us':>9} {'ours us':>9} {'speedup':>8} {'floor us':>9}")
     for op in a.op:
@@ -170,17 +203,21 @@ def main(argv: list[str] | None = None) -> int:
 
 # bytes per (chunk, value head): wy reads q, k, v, v', do, dv, g, h, dh, Akk and writes dq, dk, dg, dv2, dA, db;
 # intra reads q, k, g, dAqk, dAkk, dq, dk, dg and writes dq, dk, dg; the pair both; fused: wy's with dAqk in for dA
-# out
-BYTES = {"wy": 344e3, "intra": 290e3, "pair": 634e3, "fused": 344e3}
+# out; gate reads dg (fp32) and g_raw (bf16) and writes dg_raw (bf16)
+BYTES = {"wy": 344e3, "intra": 290e3, "pair": 634e3, "fused": 344e3, "gate": 64 * 128 * 8}
 
 
 def _row(op: str, B: int, T: int, HV: int, a) -> None:
     from fla_cula import _ext
 
-    if op != "wy" and not hasattr(_ext.require(), "kda_bwd_intra"):
-        print(f"{op:>6} {B:>3} {T:>6} {HV:>4}  (this build has no kda_bwd_intra)")
+    need = "kda_bwd_gate" if op == "gate" else "kda_bwd_intra" if op != "wy" else "kda_bwd_wy"
+    if not hasattr(_ext.require(), need):
+        print(f"{op:>6} {B:>3} {T:>6} {HV:>4}  (this build has no {need})")
         return
-    if op == "wy":
+    if op == "gate":
+        x = gate_inputs(B, T, HV)
+        calls = {"fla": fla_gate(x), "ours": ours_gate(x)}
+    elif op == "wy":
         x = inputs(B, T, HV, bool(a.vfirst))
         calls = {"fla": fla(x), "ours": ours(x)}
     elif op in ("pair", "fused"):

@@ -184,7 +184,7 @@ def test_sass_hmma_ldsm_no_spills():
     """The six specializations of the built kernel (state layout x plain / intra fused / intra and l2norm backward
     fused): sm_90a, mma.sync
     (HMMA) fed by ldmatrix (LDSM, .trans among them), cp.async loads (LDGSTS), no spill; kda_bwd_intra_kernel:
-    HMMA, LDGSTS, no spill."""
+    HMMA, LDGSTS, no spill; kda_bwd_gate_kernel: sm_90a, no spill."""
     from fla_cula import _ext
 
     ok, why = _ext.available()
@@ -200,6 +200,9 @@ def test_sass_hmma_ldsm_no_spills():
     assert len(syms) == 6, sorted(names.values())  # state_v_first or not x (plain, kIntra, kIntra + kL2)
     intra = [s for s in sass if "kda_bwd_intra_kernel" in names[s]]
     assert len(intra) == 1, sorted(names.values())
+    gate = [s for s in sass if "kda_bwd_gate_kernel" in names[s]]
+    assert len(gate) == 1 and sass[gate[0]][0] == "sm_90a", sorted(names.values())
+    assert usage[gate[0]]["stack"] == 0 and usage[gate[0]]["local"] == 0, usage[gate[0]]
     for s in syms + intra:
         arch, ops = sass[s]
         assert arch == "sm_90a"
@@ -435,3 +438,155 @@ def test_bwd_wy_fused_l2norm_emulated(emulator, case):
         assert not o[rows].isnan().any(), f"d{n}x: unwritten rows"
         err = rel_rms(o[rows], ref[rows])
         assert err < 4e-3, f"d{n}x: rel RMS {err:.2e} vs the fp64 formula (bf16 output)"
+
+
+# ---------------------------------------------------------------------------------------------
+# kda_bwd_gate (csrc/kda_sm90/kda_bwd_gate_kernel.cuh): dg's reverse chunk cumsum and the gate backward, 512 threads
+# ---------------------------------------------------------------------------------------------
+EMULATOR_GATE_CPP = _PRELUDE16 + r"""
+#define FLA_CULA_KDA_HOST_EMULATION 1
+#include "kda_sm90/kda_bwd_gate_kernel.cuh"
+
+using namespace fla_cula;
+
+extern "C" void emu_bwd_gate(float const* dg, void const* g_raw, int g_raw_fp32, void const* A_log, int A_fp32,
+                             void const* dt_bias, int bias_fp32, float lower_bound, void* dg_raw, float* dA_part,
+                             float* dbias_part, int B, int T, int HV, int chunks, void const* cu, void const* ci) {
+  KdaBwdGateParams p{};
+  p.dg = dg; p.g_raw = g_raw; p.g_raw_fp32 = g_raw_fp32; p.A_log = A_log; p.A_log_fp32 = A_fp32;
+  p.dt_bias = dt_bias; p.dt_bias_fp32 = bias_fp32; p.lower_bound = lower_bound; p.dg_raw = dg_raw;
+  p.dA_part = dA_part; p.dbias_part = dbias_part; p.B = B; p.T = T; p.HV = HV; p.chunks = chunks;
+  p.cu_seqlens = cu; p.chunk_indices = ci;
+  std::barrier<> bar(kda_sm90::kGateThreads);
+  g_bar = &bar;
+  for (int w = 0; w < kda_sm90::kGateThreads / 32; ++w) g_wbar[w] = new std::barrier<>(32);
+  static_assert(kda_sm90::kBwdGateSmemBytes <= int(sizeof(smem_raw)));
+  for (int b = 0; b < chunks * HV; ++b) {
+    blockIdx.x = b;
+    std::memset(smem_raw, 0xff, sizeof(smem_raw));
+    std::vector<std::thread> th;
+    for (int t = 0; t < kda_sm90::kGateThreads; ++t)
+      th.emplace_back([&p, t] {
+        threadIdx.x = t;
+        kda_sm90::kda_bwd_gate_kernel(p);
+      });
+    for (auto& x : th) x.join();
+  }
+  for (int w = 0; w < kda_sm90::kGateThreads / 32; ++w) delete g_wbar[w];
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def gate_emulator(tmp_path_factory):
+    return build_emulator(EMULATOR_GATE_CPP, tmp_path_factory, "kda_bwd_gate_emu")
+
+
+def gate_bwd_reference(dg, g_raw, A_log, dt_bias, lb, seqs):
+    """FLA's chunk_local_cumsum(dg, reverse) then kda_gate_bwd in fp64 -> (dg_raw with NaN rows where no sequence is,
+    per-chunk partial sums of dA_log [chunks, HV] and of dt_bias's gradient [chunks, HV * 128])."""
+    dg = dg.double()
+    HV = dg.shape[2]
+    A = torch.ones(1, 1, HV, 1, dtype=torch.float64) if A_log is None else A_log.double().exp().view(1, 1, HV, 1)
+    gp = g_raw.double() + (0.0 if dt_bias is None else dt_bias.double().view(1, 1, HV, 128))
+    s = torch.sigmoid(A * gp)
+    ref = torch.full_like(dg, float("nan"))
+    dA, dbias = [], []
+    for b, bos, eos in seqs:
+        for t0 in range(bos, eos, 64):
+            rows = slice(t0, min(t0 + 64, eos))
+            dyg = dg[b, rows].flip(0).cumsum(0).flip(0)
+            d = dyg * lb * s[b, rows] * (1 - s[b, rows]) * A[0]
+            ref[b, rows] = d
+            dA.append((d * gp[b, rows]).sum((0, 2)))
+            dbias.append(d.sum(0).reshape(-1))
+    return ref, torch.stack(dA), torch.stack(dbias)
+
+
+GATE_CASES = {
+    "fixed-tail": dict(B=1, T=100, HV=1),
+    "fixed-batch-heads": dict(B=2, T=64, HV=2),
+    "varlen-short": dict(B=1, T=86, HV=1, lens=[70, 1, 15]),
+}
+GATE_FORMS = {  # g_raw dtype, A_log dtype or None, dt_bias dtype or None
+    "bf16-A-bias": (torch.bfloat16, torch.float32, torch.float32),
+    "fp32-noA-bias": (torch.float32, None, torch.float32),
+    "bf16-bf16A-nobias": (torch.bfloat16, torch.bfloat16, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GATE_CASES))
+@pytest.mark.parametrize("form", sorted(GATE_FORMS))
+def test_bwd_gate_emulated_matches_fp64(gate_emulator, case, form):
+    """kda_bwd_gate against FLA's chunk_local_cumsum(dg, reverse) + kda_gate_bwd in fp64 on fresh random inputs
+    (chunk tails, a 1-token sequence, two heads): dg_raw within its dtype's rounding, the partial sums within fp32's;
+    rows past the sequences untouched (NaN stays NaN), every sequence row written. A forward cumsum instead of the
+    reverse one fails by O(1)."""
+    kw = dict(GATE_CASES[case])
+    lens = kw.pop("lens", None)
+    B, T, HV = kw["B"], kw["T"], kw["HV"]
+    g_dt, a_dt, b_dt = GATE_FORMS[form]
+    gen = torch.Generator().manual_seed(len(case) * 7 + len(form))
+    dg = torch.randn(B, T, HV, 128, generator=gen)
+    g_raw = (torch.randn(B, T, HV, 128, generator=gen) * 2).to(g_dt)
+    A_log = None if a_dt is None else (torch.randn(HV, generator=gen) * 0.5).to(a_dt)
+    dt_bias = None if b_dt is None else torch.randn(HV * 128, generator=gen).to(b_dt)
+    cu = None if lens is None else torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    ci = None if lens is None else chunk_indices_of(lens)
+    chunks = B * ((T + 63) // 64) if lens is None else ci.shape[0]
+    seqs = ([(b, 0, T) for b in range(B)] if lens is None
+            else [(0, int(cu[i]), int(cu[i + 1])) for i in range(len(lens))])
+    if lens is not None:
+        T = sum(lens)
+    dg_raw = torch.full_like(g_raw, float("nan"))
+    dA_part = None if A_log is None else torch.full((chunks, HV), float("nan"))
+    dbias_part = None if dt_bias is None else torch.full((chunks, HV * 128), float("nan"))
+
+    def ptr(t):
+        return ctypes.c_void_p(0 if t is None else t.data_ptr())
+
+    lb = LOWER_BOUND
+    gate_emulator.emu_bwd_gate(ptr(dg), ptr(g_raw), int(g_dt == torch.float32), ptr(A_log),
+                               int(a_dt == torch.float32), ptr(dt_bias), int(b_dt == torch.float32), ctypes.c_float(lb),
+                               ptr(dg_raw), ptr(dA_part), ptr(dbias_part), B, T, HV, chunks, ptr(cu), ptr(ci))
+    ref, dA_ref, dbias_ref = gate_bwd_reference(dg, g_raw, A_log, dt_bias, lb, seqs)
+    o = dg_raw.double()
+    written = ~ref.isnan()
+    assert not o[written].isnan().any(), "dg_raw: unwritten entries"
+    assert o[~written].isnan().all(), "dg_raw: rows past the sequences written"
+    tol = 4e-3 if g_dt == torch.bfloat16 else 1e-6  # dg_raw leaves in g_raw's dtype
+    err = rel_rms(o[written], ref[written])
+    assert err < tol, f"dg_raw: rel RMS {err:.2e} vs fp64"
+    fwd_ref = gate_bwd_reference(dg.flip(1), g_raw.flip(1), A_log, dt_bias, lb, [(b, T - e, T - s) for b, s, e in seqs])
+    assert rel_rms(o[written], fwd_ref[0].flip(1)[written]) > 0.1, "the test cannot tell the cumsum's direction"
+    for n, got, want in (("dA_part", dA_part, dA_ref), ("dbias_part", dbias_part, dbias_ref)):
+        if got is not None:
+            err = rel_rms(got.double(), want)
+            assert err < 1e-5, f"{n}: rel RMS {err:.2e} vs fp64"
+
+
+def test_gate_reason(monkeypatch):
+    """kda_bwd_gate takes the lower_bound gate, chunks of 64, fp32 dg beside a bf16 / fp32 gate input of its shape,
+    fp32 / bf16 A_log and dt_bias; anything else names what it is. Past the checks this test's stub extension
+    answers (on the CPU the device check comes first, so it is stubbed too)."""
+    from fla_cula.ops import kda_bwd
+
+    monkeypatch.setattr(kda_bwd._ext, "available", lambda: (True, ""))
+    monkeypatch.setattr(kda_bwd.routing, "device_reason", lambda *t: None)
+    dg, g = torch.zeros(1, 64, 2, 128), torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
+    A_log, dt_bias = torch.zeros(2), torch.zeros(256, dtype=torch.bfloat16)
+    assert kda_bwd.gate_reason(dg, g, A_log, dt_bias, -5.0, 64) is None
+    assert kda_bwd.gate_reason(dg, g.float(), None, None, -1.0, 64) is None
+    cases = {
+        "lower_bound=None": (dg, g, A_log, dt_bias, None, 64),
+        "lower_bound=0.0": (dg, g, A_log, dt_bias, 0.0, 64),
+        "chunk_size=32": (dg, g, A_log, dt_bias, -5.0, 32),
+        "dg is torch.bfloat16": (dg.bfloat16(), g, A_log, dt_bias, -5.0, 64),
+        "g is torch.float16": (dg, g.half(), A_log, dt_bias, -5.0, 64),
+        "A_log is torch.float16": (dg, g, A_log.half(), dt_bias, -5.0, 64),
+        "g of shape (1, 64, 2, 64)": (dg, g[..., :64], A_log, dt_bias, -5.0, 64),
+        "dg is not contiguous": (dg.transpose(1, 2).contiguous().transpose(1, 2), g, A_log, dt_bias, -5.0, 64),
+    }
+    for want, args in cases.items():
+        got = kda_bwd.gate_reason(*args)
+        assert got is not None and want in got, (want, got)

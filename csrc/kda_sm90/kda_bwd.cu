@@ -1,10 +1,12 @@
-// Launcher of kda_bwd_wy (kda_bwd_wy_kernel.cuh): grid, shared memory, launch on the caller's stream.
+// Launchers of kda_bwd_wy, kda_bwd_intra and kda_bwd_gate (their *_kernel.cuh): grid, shared memory, launch on the
+// caller's stream.
 #include <cuda_runtime_api.h>
 
 #include <string>
 
 #include "common/cuda_check.h"
 #include "kda_sm90/kda_bwd.h"
+#include "kda_sm90/kda_bwd_gate_kernel.cuh"
 #include "kda_sm90/kda_bwd_intra_kernel.cuh"
 #include "kda_sm90/kda_bwd_wy_kernel.cuh"
 
@@ -73,6 +75,19 @@ void run_kda_bwd_intra(KdaBwdIntraParams const& p) {
   kda_sm90::kda_bwd_intra_kernel<<<dim3{unsigned(ctas)}, kda_sm90::kIntraThreads, kSmem,
                                    static_cast<cudaStream_t>(p.stream)>>>(p);
   FLA_CULA_CHECK_LAUNCH("kda_bwd_intra_kernel");
+}
+
+void run_kda_bwd_gate(KdaBwdGateParams const& p) {
+  int64_t const ctas = int64_t(p.chunks) * p.HV;
+  FLA_CULA_REQUIRE(ctas < (int64_t(1) << 31), "kda_bwd_gate: too many (chunk, value head) pairs: " +
+                                                  std::to_string(ctas));
+  FLA_CULA_REQUIRE(p.lower_bound < 0.f, "kda_bwd_gate: lower_bound must be < 0, got " + std::to_string(p.lower_bound));
+  if (ctas == 0) return;
+  DeviceGuard guard(p.device);
+  require_compute_capability(p.device, 9, 0, "kda_bwd_gate");
+  kda_sm90::kda_bwd_gate_kernel<<<dim3{unsigned(ctas)}, kda_sm90::kGateThreads, kda_sm90::kBwdGateSmemBytes,
+                                  static_cast<cudaStream_t>(p.stream)>>>(p);
+  FLA_CULA_CHECK_LAUNCH("kda_bwd_gate_kernel");
 }
 
 }  // namespace fla_cula

@@ -2,7 +2,7 @@
 //
 // kda_bwd_wy: the per-chunk gradient step of FLA 0.6.0's chunk_kda_bwd that follows the state pass backward
 // (FLA's chunk_kda_bwd_kernel_wy_dqkg_fused, same inputs, outputs and rounding points; docs/kda_bwd_sm90.md).
-// One CTA of 256 threads per (chunk, value head); every product on mma.sync m16n8k16 (bf16 in, fp32 out).
+// One CTA of 512 threads per (chunk, value head); every product on mma.sync m16n8k16 (bf16 in, fp32 out).
 #pragma once
 
 #include <cstdint>
@@ -52,7 +52,8 @@ struct KdaBwdWyParams {
 void run_kda_bwd_wy(KdaBwdWyParams const& params);
 
 // kda_bwd_intra: FLA's chunk_kda_bwd_intra, the gradients through the chunk-local Aqk and Akk added to the
-// incoming dq, dk, db, dg (kda_bwd_intra_kernel.cuh). fp32 products on the CUDA cores; needs safe_gate's bound.
+// incoming dq, dk, db, dg (kda_bwd_intra_kernel.cuh). Block products on mma.sync (bf16x3); needs a per-token gate
+// bound (lower_bound).
 struct KdaBwdIntraParams {
   void const* q;         // bf16 [B,T,H,128]
   void const* k;         // bf16 [B,T,H,128]
@@ -80,5 +81,31 @@ struct KdaBwdIntraParams {
 };
 
 void run_kda_bwd_intra(KdaBwdIntraParams const& params);
+
+// kda_bwd_gate: FLA's chunk_local_cumsum(dg, reverse) and kda_gate_bwd (lower_bound form) in one pass
+// (kda_bwd_gate_kernel.cuh): the gradient of the gate's input g_raw, and per-chunk partial sums of dA_log and
+// dt_bias's gradient for the host to add over the chunks.
+struct KdaBwdGateParams {
+  float const* dg;         // fp32 [B,T,HV,128]: the gradient w.r.t. the chunk-local cumsum g
+  void const* g_raw;       // bf16 / fp32 [B,T,HV,128]: the gate's input
+  bool g_raw_fp32;
+  void const* A_log;       // fp32 / bf16 [HV] or null (A = 1)
+  void const* dt_bias;     // fp32 / bf16 [HV*128] or null
+  bool A_log_fp32, dt_bias_fp32;
+  float lower_bound;       // < 0
+  void* dg_raw;            // [B,T,HV,128] in g_raw's dtype
+  float* dA_part;          // fp32 [chunks, HV], with A_log
+  float* dbias_part;       // fp32 [chunks, HV*128], with dt_bias
+  int B, T, HV;
+  int chunks;
+  void const* cu_seqlens;
+  bool cu_seqlens_int64;
+  void const* chunk_indices;
+  bool chunk_indices_int64;
+  int device;
+  void* stream;
+};
+
+void run_kda_bwd_gate(KdaBwdGateParams const& params);
 
 }  // namespace fla_cula

@@ -89,14 +89,16 @@ HeadDims expect_qk_and_heads(TensorArg const& q, TensorArg const& k, TensorArg c
 }
 
 // The backward's chunk list: cu_seqlens [N+1] and chunk_indices [chunks, 2] (FLA's prepare_chunk_indices), int32 or
-// int64, both or neither, on q's device, batch size 1 with them. Sets the pointers and widths; returns the chunks
-// (B * ceil(T / 64) without them).
+// int64, both or neither, on q's device (q: the call's first tensor), batch size 1 with them. Sets the pointers and
+// widths; returns the chunks (B * ceil(T / 64) without them).
 int64_t expect_chunk_list(py::handle cu_obj, py::handle ci_obj, TensorArg const& q, HeadDims const& d,
                           void const** cu_data, bool* cu64, void const** ci_data, bool* ci64) {
   bool const varlen = !cu_obj.is_none();
   if (varlen != !ci_obj.is_none()) throw py::value_error("cu_seqlens and chunk_indices: expected both or neither");
   if (!varlen) return d.B * ((d.T + kChunk - 1) / kChunk);
-  if (d.B != 1) throw py::value_error("q: expected batch size 1 with cu_seqlens, got " + std::to_string(d.B));
+  if (d.B != 1) {
+    throw py::value_error(std::string(q.name) + ": expected batch size 1 with cu_seqlens, got " + std::to_string(d.B));
+  }
   TensorArg cu = tensor_arg(cu_obj, "cu_seqlens");
   expect_dtype(cu, {dtype::kInt32, dtype::kInt64});
   expect_ndim(cu, 1);
@@ -528,9 +530,75 @@ void kda_bwd_intra_api(py::handle q_obj, py::handle k_obj, py::handle g_obj, py:
   py::gil_scoped_release release;
   run_kda_bwd_intra(p);
 }
+void kda_bwd_gate_api(py::handle dg_obj, py::handle g_raw_obj, py::handle A_log_obj, py::handle dt_bias_obj,
+                      double lower_bound, py::handle dg_raw_obj, py::handle dA_part_obj, py::handle dbias_part_obj,
+                      py::handle cu_obj, py::handle chunk_indices_obj) {
+  TensorArg dg = tensor_arg(dg_obj, "dg");
+  expect_dtype(dg, {dtype::kFloat32});
+  expect_ndim(dg, 4);
+  if (dg.size(3) != kHeadDim) throw py::value_error("dg: expected shape (B, T, HV, 128), got " + dg.shape_str());
+  expect_contiguous(dg);
+  expect_cuda(dg);
+  int64_t const B = dg.size(0), T = dg.size(1), HV = dg.size(2);
+  std::initializer_list<int64_t> const vs = {B, T, HV, kHeadDim};
+  TensorArg g_raw = tensor_arg(g_raw_obj, "g_raw"), dg_raw = tensor_arg(dg_raw_obj, "dg_raw");
+  expect_tensor(g_raw, {dtype::kBFloat16, dtype::kFloat32}, vs, "(B, T, HV, 128) as dg", &dg);
+  expect_tensor(dg_raw, {g_raw.dtype}, vs, "(B, T, HV, 128) as dg, g_raw's dtype", &dg);
+  if (!(lower_bound < 0.0)) throw py::value_error("lower_bound: expected < 0, got " + std::to_string(lower_bound));
+  KdaBwdGateParams p{};
+  int64_t const chunks = expect_chunk_list(cu_obj, chunk_indices_obj, dg, {B, T, HV, HV}, &p.cu_seqlens,
+                                           &p.cu_seqlens_int64, &p.chunk_indices, &p.chunk_indices_int64);
+  if (chunks * HV >= (int64_t(1) << 31)) throw py::value_error("kda_bwd_gate: too many (chunk, value head) pairs");
+  bool a_fp32 = true, b_fp32 = true;
+  void const* a = nullptr;
+  void const* b = nullptr;
+  optional_gate_param(A_log_obj, "A_log", HV, "HV", dg, &a, &a_fp32);
+  optional_gate_param(dt_bias_obj, "dt_bias", HV * kHeadDim, "HV * 128", dg, &b, &b_fp32);
+  // a partial-sum output: fp32 of its shape when its gate parameter is given, else None
+  auto partial = [&](py::handle obj, char const* name, bool given, std::initializer_list<int64_t> shape,
+                     char const* what) -> float* {
+    if (!given) {
+      if (!obj.is_none()) throw py::value_error(std::string(name) + ": expected None without its gate parameter");
+      return nullptr;
+    }
+    TensorArg x = tensor_arg(obj, name);
+    expect_tensor(x, {dtype::kFloat32}, shape, what, &dg);
+    return x.ptr<float>();
+  };
+  p.dA_part = partial(dA_part_obj, "dA_part", a != nullptr, {chunks, HV}, "(chunks, HV)");
+  p.dbias_part = partial(dbias_part_obj, "dbias_part", b != nullptr, {chunks, HV * kHeadDim}, "(chunks, HV * 128)");
+  p.dg = dg.ptr<float>();
+  p.g_raw = g_raw.data;
+  p.g_raw_fp32 = g_raw.dtype == dtype::kFloat32;
+  p.A_log = a;
+  p.dt_bias = b;
+  p.A_log_fp32 = a_fp32;
+  p.dt_bias_fp32 = b_fp32;
+  p.lower_bound = static_cast<float>(lower_bound);
+  p.dg_raw = dg_raw.data;
+  p.B = static_cast<int>(B);
+  p.T = static_cast<int>(T);
+  p.HV = static_cast<int>(HV);
+  p.chunks = static_cast<int>(chunks);
+  p.device = dg.device.device_id;
+  p.stream = current_stream(dg.device);
+  py::gil_scoped_release release;
+  run_kda_bwd_gate(p);
+}
 }  // namespace
 
 void register_kda_fwd(py::module_& m) {
+  m.def("kda_bwd_gate", &kda_bwd_gate_api, py::arg("dg"), py::arg("g_raw"), py::arg("A_log"), py::arg("dt_bias"),
+        py::arg("lower_bound"), py::arg("dg_raw"), py::arg("dA_part"), py::arg("dbias_part"),
+        py::arg("cu_seqlens") = py::none(), py::arg("chunk_indices") = py::none(),
+        "Enqueue kda_bwd_gate (csrc/kda_sm90/kda_bwd.h) on the current stream of dg's device: FLA 0.6.0's\n"
+        "chunk_local_cumsum(dg, reverse) and kda_gate_bwd (lower_bound form) in one pass. fp32 dg [B,T,HV,128] (the\n"
+        "gradient w.r.t. the chunk-local cumsum of the gate), g_raw [B,T,HV,128] bf16 or fp32 (the gate's input),\n"
+        "A_log [HV] / dt_bias [HV*128] (fp32 or bf16) or None, lower_bound < 0. Writes dg_raw (g_raw's shape and\n"
+        "dtype) and, with A_log / dt_bias, fp32 dA_part [chunks, HV] / dbias_part [chunks, HV*128] (else None):\n"
+        "per-chunk partial sums whose sums over the chunks are dA_log's and dt_bias's gradients. Varlen as\n"
+        "kda_bwd_wy. All contiguous.\n"
+        "TypeError / ValueError before any CUDA call, RuntimeError for CUDA errors.");
   m.def("kda_bwd_intra", &kda_bwd_intra_api, py::arg("q"), py::arg("k"), py::arg("g"), py::arg("beta"),
         py::arg("dAqk"), py::arg("dAkk"), py::arg("dq"), py::arg("dk"), py::arg("dg"), py::arg("db"),
         py::arg("dq_out"), py::arg("dk_out"), py::arg("dg_out"), py::arg("db_out"), py::arg("gate_shift"),

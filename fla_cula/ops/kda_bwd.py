@@ -6,8 +6,10 @@ backward (``chunk_gated_delta_rule_bwd_dhu``); the chunk-local gradients (``chun
 sub-chunk gradients (``chunk_kda_bwd_intra``); the GVA reductions; dg's reverse cumsum and the gate backward.
 fla_cula replaces the chunk-local gradients with ``_C.kda_bwd_wy`` (csrc/kda_sm90/kda_bwd_wy_kernel.cuh: the same
 math and rounding points; route ``chunk_kda_bwd_wy``) and the intra sub-chunk gradients with ``_C.kda_bwd_intra``
-(kda_bwd_intra_kernel.cuh: the same sums in fp32; route ``chunk_kda_bwd_intra``) wherever they apply
-(docs/kda_bwd_sm90.md); every other step is FLA's function.
+(kda_bwd_intra_kernel.cuh; route ``chunk_kda_bwd_intra``), fuses the two and FLA's l2norm backward where it can
+(route ``chunk_kda_bwd_l2norm``), and runs dg's reverse cumsum and the gate backward as ``_C.kda_bwd_gate``
+(kda_bwd_gate_kernel.cuh; route ``chunk_kda_bwd_gate``) wherever they apply (docs/kda_bwd_sm90.md); every other step
+is FLA's function.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from fla_cula import _ext, routing
 OP_WY = "chunk_kda_bwd_wy"
 OP_INTRA = "chunk_kda_bwd_intra"
 OP_L2NORM = "chunk_kda_bwd_l2norm"
+OP_GATE = "chunk_kda_bwd_gate"
 FLA_CHUNK_KDA_BWD_WY = chunk_kda_bwd_wy_dqkg_fused
 FLA_CHUNK_KDA_BWD_INTRA = chunk_kda_bwd_intra
 # False: FLA's Triton kernels for these steps whatever the inputs. FLA_CULA_STAND_IN=1 turns both off too: the
@@ -42,6 +45,9 @@ FUSED_INTRA = True
 # True: with the intra step fused, H == HV and q, k l2-normalized in kernel, FLA's l2norm_bwd of q and k runs in the
 # same kernel too (dq, dk leave in bf16 w.r.t. the raw q, k); False: FLA's l2norm_bwd after chunk_kda_bwd's steps.
 FUSED_L2NORM = True
+# False: FLA's chunk_local_cumsum(dg, reverse) and kda_gate_bwd; True: _C.kda_bwd_gate (both in one pass) where the
+# gate is computed in kernel with lower_bound.
+GATE_KERNEL = True
 
 
 def wy_reason(q, k, v, v_new, g, beta, A, h, do, dh, dv, chunk_size: int) -> str | None:
@@ -165,6 +171,60 @@ def bwd_intra(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens, chunk_indic
     return dq2, dk2, db2, dg2
 
 
+def gate_reason(dg, g_org, A_log, dt_bias, lower_bound, chunk_size: int) -> str | None:
+    """Why kda_bwd_gate cannot take these tensors (None: it can)."""
+    ok, why = _ext.available()
+    if not ok:
+        return why
+    r = routing.device_reason(*(t for t in (dg, g_org, A_log, dt_bias) if t is not None))
+    if r is not None:
+        return r
+    if lower_bound is None or not lower_bound < 0:
+        return f"lower_bound={lower_bound}: the kernel takes the gate's lower_bound < 0 form"
+    if chunk_size != 64:
+        return f"chunk_size={chunk_size}: the kernel takes 64"
+    if g_org.shape[-1] != 128 or g_org.shape != dg.shape:
+        return f"g of shape {tuple(g_org.shape)}, dg {tuple(dg.shape)}: the kernel takes both [B, T, HV, 128]"
+    for name, t, dts in (("dg", dg, (torch.float32,)), ("g", g_org, (torch.bfloat16, torch.float32)),
+                         ("A_log", A_log, (torch.float32, torch.bfloat16)),
+                         ("dt_bias", dt_bias, (torch.float32, torch.bfloat16))):
+        if t is None:
+            continue
+        if t.dtype not in dts:
+            return f"{name} is {t.dtype}: the kernel takes {' or '.join(str(d) for d in dts)}"
+        if not t.is_contiguous():
+            return f"{name} is not contiguous"
+    return None
+
+
+def bwd_gate(dg, g_org, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, chunk_size):
+    """FLA's chunk_local_cumsum(dg, reverse) then kda_gate_bwd: -> the gradients of g_org, A_log, dt_bias."""
+    use = GATE_KERNEL and routing.enabled() and not routing.stand_in()
+    if use:  # the kernel reads them contiguous (no copy where they already are)
+        g_org, A_log, dt_bias = (None if t is None else t.contiguous() for t in (g_org, A_log, dt_bias))
+    reason = gate_reason(dg, g_org, A_log, dt_bias, lower_bound, chunk_size) if use else None
+    if not use or reason is not None:
+        if reason is not None:
+            routing.record_fallback(OP_GATE, reason)
+        dyg = chunk_local_cumsum(dg, chunk_size=chunk_size, reverse=True, cu_seqlens=cu_seqlens,
+                                 chunk_indices=chunk_indices)
+        return kda_gate_bwd(g=g_org, A_log=A_log, dt_bias=dt_bias, dyg=dyg, lower_bound=lower_bound)
+    if cu_seqlens is not None and chunk_indices is None:
+        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
+    B, T, HV, K = dg.shape
+    chunks = B * ((T + chunk_size - 1) // chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
+    dg_raw = torch.empty_like(g_org)
+    dA_part = dg.new_empty(chunks, HV) if A_log is not None else None
+    dbias_part = dg.new_empty(chunks, HV * K) if dt_bias is not None else None
+    _ext.require().kda_bwd_gate(dg, g_org, A_log, dt_bias, lower_bound, dg_raw, dA_part, dbias_part, cu_seqlens,
+                                chunk_indices)
+    routing.record_kernel(OP_GATE)
+    # FLA's kda_gate_bwd adds its blocks' partial sums the same way
+    dA = dA_part.sum(0).view_as(A_log).type_as(A_log) if A_log is not None else None
+    dbias = dbias_part.sum(0).to(dt_bias) if dt_bias is not None else None
+    return dg_raw, dA, dbias
+
+
 def chunk_kda_bwd(q, k, v, beta, Aqk, Akk, scale, initial_state, do, dht, g=None, g_org=None, state_v_first=False,
                   cu_seqlens=None, chunk_indices=None, chunk_size=64, safe_gate=False, lower_bound=None,
                   use_gate_in_kernel=False, A_log=None, dt_bias=None, disable_recompute=False, chunk_offsets=None,
@@ -205,9 +265,9 @@ def chunk_kda_bwd(q, k, v, beta, Aqk, Akk, scale, initial_state, do, dht, g=None
         dk = dk.view(*dk.shape[:2], H, HV // H, dk.shape[-1]).sum(dim=3)
     if q_rstd is not None and not (l2 and dAkk is None):  # the l2norm backward not fused: FLA's
         dq, dk = l2norm_bwd(q, q_rstd, dq), l2norm_bwd(k, k_rstd, dk)
-    dA, dbias = None, None
+    if use_gate_in_kernel:
+        dg, dA, dbias = bwd_gate(dg, g_org, A_log, dt_bias, lower_bound, cu_seqlens, chunk_indices, chunk_size)
+        return dq, dk, dv, db, dg, dh0, dA, dbias
     dg = chunk_local_cumsum(dg, chunk_size=chunk_size, reverse=True, cu_seqlens=cu_seqlens,
                             chunk_indices=chunk_indices)
-    if use_gate_in_kernel:
-        dg, dA, dbias = kda_gate_bwd(g=g_org, A_log=A_log, dt_bias=dt_bias, dyg=dg, lower_bound=lower_bound)
-    return dq, dk, dv, db, dg, dh0, dA, dbias
+    return dq, dk, dv, db, dg, dh0, None, None

@@ -111,6 +111,7 @@ def test_training_step_runs_the_kernel_strict(strict_mode, monkeypatch):
             st = fla_cula.status()
             assert st.get(kda_bwd.OP_WY, {}).get("kernel", 0) == 1, st
             assert st.get(kda_bwd.OP_INTRA, {}).get("kernel", 0) == 1, st
+            assert st.get(kda_bwd.OP_GATE, {}).get("kernel", 0) == 1, st
     for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads["fla"], grads["cula"], strict=True):
         assert rel_rms(b.double(), a.double()) < 2e-2, f"{n}: rel RMS vs FLA {rel_rms(b.double(), a.double()):.2e}"
 
@@ -264,3 +265,85 @@ def test_bwd_wy_fused_l2norm_matches_fla_l2norm_bwd(case):
         assert not o.isnan().any(), f"d{n}x: unwritten entries"
         err = rel_rms(o.double(), ref.double())
         assert err < 8e-3, f"d{n}x: rel RMS {err:.2e} vs FLA's l2norm_bwd (both bf16)"
+
+
+GATE_GPU_CASES = {
+    "B2-T1000-HV4-bf16": dict(B=2, T=1000, HV=4, dtype=torch.bfloat16),
+    "B1-T4096-HV8-fp32-noA": dict(B=1, T=4096, HV=8, dtype=torch.float32, A_log=False),
+    "varlen-5seq-bf16-nobias": dict(B=1, T=1100, HV=2, dtype=torch.bfloat16, lens=[1, 63, 64, 65, 907], dt_bias=False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GATE_GPU_CASES))
+def test_bwd_gate_against_fp64_and_fla(case):
+    """kda_bwd_gate (dg's reverse chunk cumsum + the gate backward, one pass) against FLA's chunk_local_cumsum +
+    kda_gate_bwd and the fp64 formulas on the same fresh inputs: dg_raw (NaN-poisoned before the call: every sequence
+    row written) within 1.5x FLA's error vs fp64 plus half an ulp of its dtype; dA_log and dt_bias's gradient
+    likewise; the inputs unchanged."""
+    from fla.ops.kda.gate import kda_gate_bwd
+    from fla.ops.utils import chunk_local_cumsum
+
+    from tests.test_kda_bwd_compile import gate_bwd_reference
+
+    kw = dict(GATE_GPU_CASES[case])
+    B, T, HV, dt, lens = kw["B"], kw["T"], kw["HV"], kw["dtype"], kw.get("lens")
+    gen = torch.Generator().manual_seed(len(case))
+    dg = torch.randn(B, T, HV, 128, generator=gen).cuda()
+    g_raw = (torch.randn(B, T, HV, 128, generator=gen) * 2).to(dt).cuda()
+    A_log = (torch.randn(HV, generator=gen) * 0.5).cuda() if kw.get("A_log", True) else None
+    dt_bias = torch.randn(HV * 128, generator=gen).cuda() if kw.get("dt_bias", True) else None
+    cu = None if lens is None else torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda")
+    ci = None if lens is None else chunk_indices_of(lens).cuda()
+    before = [t.clone() for t in (dg, g_raw) if t is not None]
+    chunks = B * ((T + 63) // 64) if lens is None else ci.shape[0]
+    dg_raw = torch.full_like(g_raw, float("nan"))
+    dA_part = torch.empty(chunks, HV, device="cuda") if A_log is not None else None
+    dbias_part = torch.empty(chunks, HV * 128, device="cuda") if dt_bias is not None else None
+    _ext.require().kda_bwd_gate(dg, g_raw, A_log, dt_bias, LOWER_BOUND, dg_raw, dA_part, dbias_part, cu, ci)
+    dyg = chunk_local_cumsum(dg, chunk_size=64, reverse=True, cu_seqlens=cu,
+                             chunk_indices=None if ci is None else ci.long())
+    f_dg, f_dA, f_dbias = kda_gate_bwd(g=g_raw, A_log=A_log, dt_bias=dt_bias, dyg=dyg, lower_bound=LOWER_BOUND)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(before, (dg, g_raw), strict=True)), "an input was modified"
+    seqs = ([(b, 0, T) for b in range(B)] if lens is None
+            else [(0, int(cu[i]), int(cu[i + 1])) for i in range(len(lens))])
+    ref, dA_ref, dbias_ref = gate_bwd_reference(dg.cpu(), g_raw.cpu(), None if A_log is None else A_log.cpu(),
+                                                None if dt_bias is None else dt_bias.cpu(), LOWER_BOUND, seqs)
+    ulp = 2.0 ** -9 if dt == torch.bfloat16 else 2.0 ** -24
+    o = dg_raw.cpu().double()
+    assert not o.isnan().any(), "dg_raw: unwritten entries"
+    e_ours, e_fla = rel_rms(o, ref), rel_rms(f_dg.cpu().double(), ref)
+    assert e_ours <= 1.5 * e_fla + ulp, f"dg_raw: rel RMS vs fp64 {e_ours:.2e}, FLA's {e_fla:.2e}"
+    report = [f"dg_raw {e_ours:.2e}/{e_fla:.2e}"]
+    for n, part, theirs, want in (("dA_log", dA_part, f_dA, dA_ref), ("dt_bias", dbias_part, f_dbias, dbias_ref)):
+        if part is None:
+            continue
+        ours = part.sum(0).cpu().double()
+        e_ours, e_fla = rel_rms(ours, want.sum(0)), rel_rms(theirs.cpu().double().reshape(-1), want.sum(0))
+        assert e_ours <= 1.5 * e_fla + 1e-6, f"{n}: rel RMS vs fp64 {e_ours:.2e}, FLA's {e_fla:.2e}"
+        report.append(f"{n} {e_ours:.2e}/{e_fla:.2e}")
+    print(f"  {case}: ours / FLA vs fp64: " + " ".join(report))
+
+
+def test_bwd_gate_rejects_bad_arguments():
+    dg = torch.randn(1, 64, 2, 128, device="cuda")
+    g_raw = torch.randn(1, 64, 2, 128, device="cuda").bfloat16()
+    A_log, dt_bias = torch.zeros(2, device="cuda"), torch.zeros(256, device="cuda")
+    dg_raw = torch.empty_like(g_raw)
+    dA_part, dbias_part = torch.empty(1, 2, device="cuda"), torch.empty(1, 256, device="cuda")
+    C = _ext.require()
+    with pytest.raises(TypeError, match="dg"):
+        C.kda_bwd_gate(dg.bfloat16(), g_raw, A_log, dt_bias, -5.0, dg_raw, dA_part, dbias_part)
+    with pytest.raises(TypeError, match="dg_raw"):
+        C.kda_bwd_gate(dg, g_raw, A_log, dt_bias, -5.0, dg_raw.float(), dA_part, dbias_part)
+    with pytest.raises(ValueError, match="lower_bound"):
+        C.kda_bwd_gate(dg, g_raw, A_log, dt_bias, 0.0, dg_raw, dA_part, dbias_part)
+    with pytest.raises(ValueError, match="A_log"):
+        C.kda_bwd_gate(dg, g_raw, A_log[:1], dt_bias, -5.0, dg_raw, dA_part, dbias_part)
+    with pytest.raises(ValueError, match="dbias_part"):
+        C.kda_bwd_gate(dg, g_raw, A_log, dt_bias, -5.0, dg_raw, dA_part, dbias_part[:, :128])
+    with pytest.raises(ValueError, match="dA_part: expected None"):
+        C.kda_bwd_gate(dg, g_raw, None, dt_bias, -5.0, dg_raw, dA_part, dbias_part)
+    with pytest.raises(ValueError, match="both or neither"):
+        C.kda_bwd_gate(dg, g_raw, A_log, dt_bias, -5.0, dg_raw, dA_part, dbias_part,
+                       torch.tensor([0, 64], device="cuda", dtype=torch.int32), None)

@@ -1,0 +1,93 @@
+// Device code of kda_bwd_gate (kda_bwd.h): FLA 0.6.0's chunk_local_cumsum(dg, reverse) followed by kda_gate_bwd in
+// its lower_bound form, in one pass over dg. Per chunk and channel, with g the chunk-local cumsum of the per-token
+// gate a = lower_bound sigmoid(A gp), gp = g_raw + dt_bias, A = exp(A_log) or 1 (A_log, dt_bias fp32 or bf16):
+//   dyg[t] = sum_{s >= t in the chunk} dg[s],   dg_raw[t] = dyg[t] lower_bound s (1 - s) A,   s = sigmoid(A gp[t]),
+//   dA_log = sum dg_raw gp (dA / dA_log = A folded in),   d dt_bias = sum dg_raw.
+// One CTA of 512 threads per (chunk, value head): thread (channel tid % 128, segment tid / 128 of 16 rows) issues all
+// its loads first (dg and g_raw of its 16 rows), takes suffix sums, adds the later segments' totals through shared
+// memory and writes dg_raw; the chunk's partial sums of dA_log and dt_bias go to dA_part / dbias_part for the host
+// to add over the chunks (FLA adds its 32-token blocks' partials the same way). A few KB of shared memory, so several
+// CTAs share an SM and hide each other's memory latency.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "kda_sm90/kda_bwd.h"
+#include "kda_sm90/kda_bwd_chunk.cuh"
+
+namespace fla_cula::kda_sm90 {
+
+constexpr int kGateThreads = 512;
+constexpr int kGateCh = 128;  // channels (head dim)
+
+struct BwdGateStorage {
+  float tot[4][kGateCh];  // the segments' suffix totals, then their dt_bias shares
+  float red[kGateThreads / 32];  // the warps' dA_log shares
+};
+constexpr int kBwdGateSmemBytes = int(sizeof(BwdGateStorage));
+
+__global__ void __launch_bounds__(kGateThreads) kda_bwd_gate_kernel(__grid_constant__ KdaBwdGateParams const p) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  BwdGateStorage& sm = *reinterpret_cast<BwdGateStorage*>(smem_raw);
+  int const tid = threadIdx.x, ch = tid & (kGateCh - 1), seg = tid >> 7, s0 = 16 * seg;
+  int const HV = p.HV, hv = int(blockIdx.x % unsigned(HV));
+  int64_t const chunk = blockIdx.x / unsigned(HV);
+  ChunkSpan const span = chunk_span(p, chunk);
+  int64_t const t0 = span.t0;
+  int const L = span.L;
+  auto at = [&](int t) { return ((t0 + t) * HV + hv) * kGateCh + ch; };
+
+  auto param = [](void const* x, bool fp32, int64_t i) {  // an fp32 or bf16 element as fp32
+    return fp32 ? static_cast<float const*>(x)[i] : __bfloat162float(static_cast<__nv_bfloat16 const*>(x)[i]);
+  };
+  float x[16], gr[16];  // dg, then its suffix sums; g_raw
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    bool const in = s0 + i < L;
+    x[i] = in ? p.dg[at(s0 + i)] : 0.f;
+    gr[i] = in ? param(p.g_raw, p.g_raw_fp32, at(s0 + i)) : 0.f;
+  }
+  float const A = p.A_log != nullptr ? expf(param(p.A_log, p.A_log_fp32, hv)) : 1.f;
+  float const bias = p.dt_bias != nullptr ? param(p.dt_bias, p.dt_bias_fp32, hv * kGateCh + ch) : 0.f;
+#pragma unroll
+  for (int i = 14; i >= 0; --i) x[i] += x[i + 1];
+  sm.tot[seg][ch] = x[0];
+  __syncthreads();
+  float later = 0.f;
+#pragma unroll
+  for (int s = 1; s < 4; ++s) later += s > seg ? sm.tot[s][ch] : 0.f;
+  float da = 0.f, dbias = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    int const t = s0 + i;
+    if (t >= L) break;
+    float const gp = gr[i] + bias, sg = 1.f / (1.f + expf(-A * gp));
+    float const d = (x[i] + later) * (p.lower_bound * sg * (1.f - sg)) * A;
+    if (p.g_raw_fp32) {
+      static_cast<float*>(p.dg_raw)[at(t)] = d;
+    } else {
+      static_cast<__nv_bfloat16*>(p.dg_raw)[at(t)] = __float2bfloat16_rn(d);
+    }
+    da += d * gp;
+    dbias += d;
+  }
+  __syncthreads();  // the segment totals read
+  sm.tot[seg][ch] = dbias;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) da += __shfl_xor_sync(0xffffffffu, da, o);
+  if ((tid & 31) == 0) sm.red[tid >> 5] = da;
+  __syncthreads();
+  if (seg == 0 && p.dbias_part != nullptr) {
+    p.dbias_part[(chunk * HV + hv) * kGateCh + ch] = sm.tot[0][ch] + sm.tot[1][ch] + sm.tot[2][ch] + sm.tot[3][ch];
+  }
+  if (tid == 0 && p.dA_part != nullptr) {
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kGateThreads / 32; ++i) sum += sm.red[i];
+    p.dA_part[chunk * HV + hv] = sum;
+  }
+}
+
+}  // namespace fla_cula::kda_sm90
