@@ -12,7 +12,7 @@
 #   kda     strict KDA prefill and training-path GPU tests
 #   lightning strict lightning prefill GPU tests (LIGHT_ARGS: shell-parsed pytest arguments)
 #   kdabwd  the backward kernels: tests/gpu/test_kda_bwd.py (vs fp64 and FLA's kernels, a strict training step), the
-#           training-path gradient tests, benchmarks.kda_bwd_wy --op $KDABWD_OPS (default "wy intra fused";
+#           training-path gradient tests, benchmarks.kda_bwd_wy --op $KDABWD_OPS (default "wy intra fused gate";
 #           each beside FLA's), benchmarks.train_profile, benchmarks.train_knobs (each backward knob off in turn) and
 #           the training rows of benchmarks prefill (fla, fla_cula)
 #   model   python -m benchmarks model, 4 and 24 layers, every row
@@ -128,7 +128,7 @@ for j in "$@"; do
         python -m pytest tests/gpu/test_kda_bwd*.py -q -s -rfE -p no:cacheprovider 2>&1 | grep -E 'ours /|passed|failed|rror'
         python -m pytest tests/gpu/test_kda_prefill.py tests/gpu/test_training_path.py -q -rfE -p no:cacheprovider \
           $XDIST -k 'test_grad and not dA_log or bit_identical' 2>&1 | tail -3
-        python -m benchmarks.kda_bwd_wy --op ${KDABWD_OPS:-wy intra fused}
+        python -m benchmarks.kda_bwd_wy --op ${KDABWD_OPS:-wy intra fused gate}
         python -m benchmarks.train_profile --top 12 --out '$OUT' | grep -A13 'GPU us'
         python -m benchmarks.train_knobs
         python -m benchmarks prefill --rows train --impls fla fla_cula --out '$OUT' | grep fwdbwd" ;;

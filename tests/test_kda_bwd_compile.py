@@ -184,7 +184,7 @@ def test_sass_hmma_ldsm_no_spills():
     """The six specializations of the built kernel (state layout x plain / intra fused / intra and l2norm backward
     fused): sm_90a, mma.sync
     (HMMA) fed by ldmatrix (LDSM, .trans among them), cp.async loads (LDGSTS), no spill; kda_bwd_intra_kernel:
-    HMMA, LDGSTS, no spill; kda_bwd_gate_kernel: sm_90a, no spill."""
+    HMMA, LDGSTS, no spill; kda_bwd_gate_kernel (fp32 and bf16 g_raw): sm_90a, no spill."""
     from fla_cula import _ext
 
     ok, why = _ext.available()
@@ -201,8 +201,9 @@ def test_sass_hmma_ldsm_no_spills():
     intra = [s for s in sass if "kda_bwd_intra_kernel" in names[s]]
     assert len(intra) == 1, sorted(names.values())
     gate = [s for s in sass if "kda_bwd_gate_kernel" in names[s]]
-    assert len(gate) == 1 and sass[gate[0]][0] == "sm_90a", sorted(names.values())
-    assert usage[gate[0]]["stack"] == 0 and usage[gate[0]]["local"] == 0, usage[gate[0]]
+    assert len(gate) == 2, sorted(names.values())  # g_raw / dg_raw fp32 or bf16
+    for s in gate:
+        assert sass[s][0] == "sm_90a" and usage[s]["stack"] == 0 and usage[s]["local"] == 0, usage[s]
     for s in syms + intra:
         arch, ops = sass[s]
         assert arch == "sm_90a"
@@ -468,7 +469,7 @@ extern "C" void emu_bwd_gate(float const* dg, void const* g_raw, int g_raw_fp32,
     for (int t = 0; t < kda_sm90::kGateThreads; ++t)
       th.emplace_back([&p, t] {
         threadIdx.x = t;
-        kda_sm90::kda_bwd_gate_kernel(p);
+        if (p.g_raw_fp32) kda_sm90::kda_bwd_gate_kernel<true>(p); else kda_sm90::kda_bwd_gate_kernel<false>(p);
       });
     for (auto& x : th) x.join();
   }

@@ -85,8 +85,9 @@ void run_kda_bwd_gate(KdaBwdGateParams const& p) {
   if (ctas == 0) return;
   DeviceGuard guard(p.device);
   require_compute_capability(p.device, 9, 0, "kda_bwd_gate");
-  kda_sm90::kda_bwd_gate_kernel<<<dim3{unsigned(ctas)}, kda_sm90::kGateThreads, kda_sm90::kBwdGateSmemBytes,
-                                  static_cast<cudaStream_t>(p.stream)>>>(p);
+  auto const kernel = p.g_raw_fp32 ? kda_sm90::kda_bwd_gate_kernel<true> : kda_sm90::kda_bwd_gate_kernel<false>;
+  kernel<<<dim3{unsigned(ctas)}, kda_sm90::kGateThreads, kda_sm90::kBwdGateSmemBytes,
+           static_cast<cudaStream_t>(p.stream)>>>(p);
   FLA_CULA_CHECK_LAUNCH("kda_bwd_gate_kernel");
 }
 

@@ -13,9 +13,11 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kda_sm90/kda_bwd.h"
 #include "kda_sm90/kda_bwd_chunk.cuh"
+#include "kda_sm90/kda_fwd_kernel.cuh"  // sigmoidf_, load_param
 
 namespace fla_cula::kda_sm90 {
 
@@ -28,29 +30,36 @@ struct BwdGateStorage {
 };
 constexpr int kBwdGateSmemBytes = int(sizeof(BwdGateStorage));
 
+// kF32: g_raw and dg_raw are fp32 (else bf16). Every load is unconditional (a tail's rows past L re-read row L - 1
+// and are zeroed after), so a thread's 32 loads are all in flight before the first is used.
+template <bool kF32>
 __global__ void __launch_bounds__(kGateThreads) kda_bwd_gate_kernel(__grid_constant__ KdaBwdGateParams const p) {
+  using Raw = std::conditional_t<kF32, float, __nv_bfloat16>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   BwdGateStorage& sm = *reinterpret_cast<BwdGateStorage*>(smem_raw);
   int const tid = threadIdx.x, ch = tid & (kGateCh - 1), seg = tid >> 7, s0 = 16 * seg;
   int const HV = p.HV, hv = int(blockIdx.x % unsigned(HV));
   int64_t const chunk = blockIdx.x / unsigned(HV);
   ChunkSpan const span = chunk_span(p, chunk);
-  int64_t const t0 = span.t0;
   int const L = span.L;
-  auto at = [&](int t) { return ((t0 + t) * HV + hv) * kGateCh + ch; };
+  int64_t const row = int64_t(HV) * kGateCh;  // elements between consecutive tokens
+  int64_t const base = (span.t0 * HV + hv) * kGateCh + ch;
+  float const* dg = p.dg + base;
+  Raw const* g_raw = static_cast<Raw const*>(p.g_raw) + base;
+  Raw* dg_raw = static_cast<Raw*>(p.dg_raw) + base;
 
-  auto param = [](void const* x, bool fp32, int64_t i) {  // an fp32 or bf16 element as fp32
-    return fp32 ? static_cast<float const*>(x)[i] : __bfloat162float(static_cast<__nv_bfloat16 const*>(x)[i]);
-  };
-  float x[16], gr[16];  // dg, then its suffix sums; g_raw
+  float x[16];  // dg, then its suffix sums
+  Raw gr[16];
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
-    bool const in = s0 + i < L;
-    x[i] = in ? p.dg[at(s0 + i)] : 0.f;
-    gr[i] = in ? param(p.g_raw, p.g_raw_fp32, at(s0 + i)) : 0.f;
+    int const t = s0 + i < L ? s0 + i : L - 1;
+    x[i] = dg[t * row];
+    gr[i] = g_raw[t * row];
   }
-  float const A = p.A_log != nullptr ? expf(param(p.A_log, p.A_log_fp32, hv)) : 1.f;
-  float const bias = p.dt_bias != nullptr ? param(p.dt_bias, p.dt_bias_fp32, hv * kGateCh + ch) : 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) x[i] = s0 + i < L ? x[i] : 0.f;
+  float const A = p.A_log != nullptr ? expf(load_param(p.A_log, p.A_log_fp32, hv)) : 1.f;
+  float const bias = p.dt_bias != nullptr ? load_param(p.dt_bias, p.dt_bias_fp32, hv * kGateCh + ch) : 0.f;
 #pragma unroll
   for (int i = 14; i >= 0; --i) x[i] += x[i + 1];
   sm.tot[seg][ch] = x[0];
@@ -63,12 +72,18 @@ __global__ void __launch_bounds__(kGateThreads) kda_bwd_gate_kernel(__grid_const
   for (int i = 0; i < 16; ++i) {
     int const t = s0 + i;
     if (t >= L) break;
-    float const gp = gr[i] + bias, sg = 1.f / (1.f + expf(-A * gp));
-    float const d = (x[i] + later) * (p.lower_bound * sg * (1.f - sg)) * A;
-    if (p.g_raw_fp32) {
-      static_cast<float*>(p.dg_raw)[at(t)] = d;
+    float gp;
+    if constexpr (kF32) {
+      gp = gr[i] + bias;
     } else {
-      static_cast<__nv_bfloat16*>(p.dg_raw)[at(t)] = __float2bfloat16_rn(d);
+      gp = __bfloat162float(gr[i]) + bias;
+    }
+    float const sg = sigmoidf_(A * gp);
+    float const d = (x[i] + later) * (p.lower_bound * sg * (1.f - sg)) * A;
+    if constexpr (kF32) {
+      dg_raw[t * row] = d;
+    } else {
+      dg_raw[t * row] = __float2bfloat16_rn(d);
     }
     da += d * gp;
     dbias += d;
