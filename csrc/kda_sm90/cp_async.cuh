@@ -20,6 +20,16 @@ __device__ __forceinline__ void cp_async16(void* smem, void const* gmem, bool va
 #endif
 }
 
+// 4-byte global -> shared copy (through L1), zero-filled when !valid. Completed as cp_async16.
+__device__ __forceinline__ void cp_async4(void* smem, void const* gmem, bool valid) {
+#ifdef FLA_CULA_KDA_HOST_EMULATION
+  *static_cast<uint32_t*>(smem) = valid ? *static_cast<uint32_t const*>(gmem) : 0u;
+#else
+  unsigned const s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 4 : 0) : "memory");
+#endif
+}
+
 __device__ __forceinline__ void cp_async_wait_all() {
 #ifndef FLA_CULA_KDA_HOST_EMULATION
   asm volatile("cp.async.wait_all;\n" ::: "memory");

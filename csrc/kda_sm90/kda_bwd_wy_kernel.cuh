@@ -24,6 +24,8 @@
 // per SM: nothing hides a tail's memory latency, so each tail issues all its loads before its first store.
 #pragma once
 
+#include <cstddef>
+
 #include "kda_sm90/kda_bwd.h"
 #include "kda_sm90/kda_bwd_chunk.cuh"
 #include "kda_sm90/kda_bwd_intra_block.cuh"
@@ -109,6 +111,7 @@ struct BwdWyStorage {
   float beta[kC], gn[kK], dgk[kK], db[kC];
 };
 constexpr int kBwdWySmemBytes = int(sizeof(BwdWyStorage));
+static_assert(offsetof(BwdWyStorage, gn) % 16 == 0, "g_n arrives by 16-byte copies");
 
 template <bool kVFirst, bool kIntra, bool kL2 = false>
 __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_constant__ KdaBwdWyParams const p) {
@@ -124,18 +127,31 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
   auto vrow = [&](int t) { return ((t0 + t) * HV + hv) * kK; };  // element offset of row t, [.., HV, 128] tensors
   auto qrow = [&](int t) { return ((t0 + t) * p.H + hq) * kK; };
 
-  // 1. loads: do, v', dv, v, H, dH, Akk, q, k, g to shared memory (rows >= L zero); beta, g_n
+  // 1. loads to shared memory (rows >= L zero) in three cp.async groups, in the order the steps use them, so that
+  //    steps 2-3 run while H, dH and the rest are in flight (one CTA per SM: nothing else hides this load):
+  //    group 0: Akk, dv, v, beta, g_n (steps 2-3); group 1: H, dH (step 4); group 2: do, v', q, k, g (step 5 on).
+  auto load_rows = [&](bf16* dst, bf16 const* src, auto row_of) {  // a [64][128] bf16 tile, rows >= L zero
+#pragma unroll
+    for (int r = 0; r < kC * 16 / kBwdThreads; ++r) {
+      int const i = tid + kBwdThreads * r, t = i >> 4, u = 8 * (i & 15);
+      cp_async16(dst + t * kLdK + u, src + (t < L ? row_of(t) : 0) + u, t < L);
+    }
+  };
   {
-    bf16 const* src[4] = {static_cast<bf16 const*>(p.dout), static_cast<bf16 const*>(p.v_new),
-                          static_cast<bf16 const*>(p.dv), static_cast<bf16 const*>(p.v)};
-    bf16* dst[4] = {sm.dout, sm.vn, sm.dv, sm.v};
+    if (tid < kC) {
+      cp_async4(sm.beta + tid, p.beta + (tid < L ? (t0 + tid) * HV + hv : 0), tid < L);
+    } else if (tid < kC + kK / 4) {
+      cp_async16(sm.gn + 4 * (tid - kC), p.g + vrow(L - 1) + 4 * (tid - kC), true);
+    }
+    bf16 const* As = static_cast<bf16 const*>(p.A);
 #pragma unroll
-    for (int x = 0; x < 4; ++x)
-#pragma unroll
-      for (int r = 0; r < kC * 16 / kBwdThreads; ++r) {
-        int const i = tid + kBwdThreads * r, t = i >> 4, u = 8 * (i & 15);
-        cp_async16(dst[x] + t * kLdK + u, src[x] + (t < L ? vrow(t) : 0) + u, t < L);
-      }
+    for (int r = 0; r < kC * 8 / kBwdThreads; ++r) {
+      int const i = tid + kBwdThreads * r, t = i >> 3, u = 8 * (i & 7);
+      cp_async16(sm.A + t * kLdC + u, As + (t < L ? ((t0 + t) * HV + hv) * kC : 0) + u, t < L);
+    }
+    load_rows(sm.dv, static_cast<bf16 const*>(p.dv), vrow);
+    load_rows(sm.v, static_cast<bf16 const*>(p.v), vrow);
+    cp_async_commit();
     int64_t const hoff = (c * HV + hv) * kK * kK;
     bf16 const* hs = static_cast<bf16 const*>(p.h) + hoff;
     bf16 const* dhs = static_cast<bf16 const*>(p.dh) + hoff;
@@ -145,31 +161,20 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
       cp_async16(sm.h + row * kLdK + u, hs + row * kK + u, true);
       cp_async16(sm.dh + row * kLdK + u, dhs + row * kK + u, true);
     }
-#pragma unroll
-    for (int r = 0; r < kC * 16 / kBwdThreads; ++r) {
-      int const i = tid + kBwdThreads * r, t = i >> 4, u = 8 * (i & 15);
-      cp_async16(sm.q + t * kLdK + u, static_cast<bf16 const*>(p.q) + (t < L ? qrow(t) : 0) + u, t < L);
-      cp_async16(sm.k + t * kLdK + u, static_cast<bf16 const*>(p.k) + (t < L ? qrow(t) : 0) + u, t < L);
-    }
+    cp_async_commit();
+    load_rows(sm.dout, static_cast<bf16 const*>(p.dout), vrow);
+    load_rows(sm.vn, static_cast<bf16 const*>(p.v_new), vrow);
+    load_rows(sm.q, static_cast<bf16 const*>(p.q), qrow);
+    load_rows(sm.k, static_cast<bf16 const*>(p.k), qrow);
 #pragma unroll
     for (int r = 0; r < kC * 32 / kBwdThreads; ++r) {
       int const i = tid + kBwdThreads * r, t = i >> 5, u = 4 * (i & 31);
       cp_async16(sm.g + t * kLdG + u, p.g + (t < L ? vrow(t) : 0) + u, t < L);
     }
-    bf16 const* As = static_cast<bf16 const*>(p.A);
-#pragma unroll
-    for (int r = 0; r < kC * 8 / kBwdThreads; ++r) {
-      int const i = tid + kBwdThreads * r, t = i >> 3, u = 8 * (i & 7);
-      cp_async16(sm.A + t * kLdC + u, As + (t < L ? ((t0 + t) * HV + hv) * kC : 0) + u, t < L);
-    }
     cp_async_commit();
-    if (tid < kC) {
-      sm.beta[tid] = tid < L ? p.beta[(t0 + tid) * HV + hv] : 0.f;
-      sm.db[tid] = 0.f;
-    }
-    if (tid < kK) sm.gn[tid] = p.g[vrow(L - 1) + tid];
-    cp_async_wait_all();
-    __syncthreads();
+    if (tid < kC) sm.db[tid] = 0.f;
+    cp_async_wait_group<2>();
+    __syncthreads();  // group 0 landed
   }
 
   float dbp[2] = {0.f, 0.f};  // this thread's share of db, rows r0 + g8 and + 8
@@ -195,6 +200,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
   zero(dA);
   warp_mma<kNT64, kK, false, false>(dA, sm.dv + r0 * kLdK, kLdK, sm.v + c64 * kLdK, kLdK, lane);
   // 4. dv H (to become dw), and exp2(g_n) colsum(H * dH)
+  cp_async_wait_group<1>();
+  __syncthreads();  // group 1 landed
   float acc[kNT128][4];
   zero(acc);
   warp_mma<kNT128, kK, false, kVFirst>(acc, sm.dv + r0 * kLdK, kLdK, sm.h + (kVFirst ? c128 : c128 * kLdK), kLdK, lane);
@@ -207,7 +214,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
     }
     sm.dgk[tid] = s * exp2f(sm.gn[tid]);
   }
-  __syncthreads();  // dv and v are dead
+  cp_async_wait_group<0>();
+  __syncthreads();  // dv and v are dead; group 2 landed
 #pragma unroll
   for (int nt = 0; nt < kNT128; ++nt)
 #pragma unroll
