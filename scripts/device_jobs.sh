@@ -15,6 +15,9 @@
 #           training-path gradient tests, benchmarks.kda_bwd_wy --op $KDABWD_OPS (default "wy intra fused gate";
 #           each beside FLA's), benchmarks.train_profile, benchmarks.train_knobs (each backward knob off in turn) and
 #           the training rows of benchmarks prefill (fla, fla_cula)
+#   bwdtests tests/gpu/test_kda_bwd.py alone (the backward kernels vs fp64 and FLA's; xdist; ~160 s on an H100, of which
+#           ~40 s are FLA's reference kernels compiling on a fresh machine: give it T_BWD >= 200)
+#   abbwdtests the same on each /tmp/ab_<i> of AB_PATCHES in turn
 #   model   python -m benchmarks model, 4 and 24 layers, every row
 #   lreport python -m benchmarks --only chunk_lightning_attn (graph, eager, fwdbwd): the lightning report rows
 #   peers   python -m benchmarks prefill --peers (cuDNN from .gpu/c, FlashKDA's source build from .gpu/fk)
@@ -54,6 +57,11 @@ export XDIST KDA_ARGS="${KDA_ARGS:-}" LIGHT_ARGS="${LIGHT_ARGS:-}"
 kda_tests() {
   cd "$1" && eval "PYTHONPATH='$1':\$PYTHONPATH FLA_CULA_STRICT=1 python -m pytest tests/gpu/test_kda_prefill.py \
     tests/gpu/test_training_path.py -q -rfE -p no:cacheprovider $XDIST $KDA_ARGS"
+}
+
+# tests/gpu/test_kda_bwd.py of the tree $1 (its own PYTHONPATH first: the env's site directory stays on it)
+bwd_tests() {
+  cd "$1" && PYTHONPATH="$1:$PYTHONPATH" python -m pytest tests/gpu/test_kda_bwd.py -q -rfE -p no:cacheprovider $XDIST
 }
 
 light_tests() {
@@ -132,6 +140,12 @@ for j in "$@"; do
         python -m benchmarks.train_profile --top 12 --out '$OUT' | grep -A13 'GPU us'
         python -m benchmarks.train_knobs
         python -m benchmarks prefill --rows train --impls fla fla_cula --out '$OUT' | grep fwdbwd" ;;
+    bwdtests)
+      job bwdtests "${T_BWD:-240}" bash -c "$(declare -f bwd_tests); bwd_tests '$PWD'" ;;
+    abbwdtests)
+      for d in $(ab_dirs); do
+        job "abbwd_${d##*_}" "${T_BWD:-240}" bash -c "$(declare -f bwd_tests); bwd_tests $d"
+      done ;;
     lightning)
       job lightning "${T_LIGHT:-400}" bash -c "$(declare -f light_tests); light_tests '$PWD'" ;;
     model)
