@@ -23,11 +23,9 @@ for _name in ("g_wbar", "g_x", "g_a", "g_b", "g_c", "g_sp", "g_sr", "g_lp"):
     assert f"{_name}[8]" in _PRELUDE, _name
     _PRELUDE = _PRELUDE.replace(f"{_name}[8]", f"{_name}[16]")
 
-EMULATOR_BWD_CPP = _PRELUDE + r"""
-#include <atomic>
-#include <vector_functions.h>
-// ldmatrix.x4.trans as the hardware does it: register m of lane l holds stored rows 2 (l % 4) and + 1 of tile m at
-// column l / 4, whose row j lane 8 m + j addressed
+# ldmatrix.x4.trans as the hardware does it: register m of lane l holds stored rows 2 (l % 4) and + 1 of tile m at
+# column l / 4, whose row j lane 8 m + j addressed
+_PRELUDE += r"""
 inline void kda_emulated_ldmatrix_trans(uint32_t (&r)[4], __nv_bfloat16 const* row) {
   int w = threadIdx.x >> 5, l = threadIdx.x & 31;
   g_lp[w][l] = row;
@@ -40,6 +38,11 @@ inline void kda_emulated_ldmatrix_trans(uint32_t (&r)[4], __nv_bfloat16 const* r
   }
   g_wbar[w]->arrive_and_wait();
 }
+"""
+
+EMULATOR_BWD_CPP = _PRELUDE + r"""
+#include <atomic>
+#include <vector_functions.h>
 inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
 inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 
@@ -391,6 +394,30 @@ def test_bwd_wy_fused_intra_emulated_matches_fp64_model(emulator, case):
         scale = max(added[n].pow(2).mean().sqrt(), terms.get(n, 0.0))
         err = float((o - ref[n]).pow(2).mean().sqrt() / scale)
         assert err < 2e-5, f"{n}: RMS error of the intra terms {err:.2e} (of their scale) vs the fp64 model"
+
+
+@pytest.mark.parametrize("case", ["fixed-tail-vfirst", "varlen-short"])
+def test_bwd_wy_same_bits_every_run(emulator, case):
+    """dg and db are sums over warps (dgk over the 4 row blocks, db over the 4 channel quarters): kept in per-warp
+    slots and summed in a fixed order, not by shared-memory atomics, so three runs of the plain, fused and fused +
+    l2norm forms give the same bits (the emulator runs each CUDA thread as a thread: atomics' order varies there)."""
+    import math
+
+    kw = dict(CASES[case])
+    lens = kw.get("lens")
+    x = bwd_wy_inputs(**kw, seed=11)
+    B, T, H, _ = x["q"].shape
+    HV = x["v"].shape[2]
+    dAqk = bwd_intra_inputs(B=B, T=T, H=H, HV=HV, lens=lens, seed=11)["dAqk"]
+    gen = torch.Generator().manual_seed(11)
+    rstd = tuple(torch.rand(B, T, H, generator=gen) + 0.5 for _ in range(2))
+    forms = {"plain": {}, "fused": dict(dAqk=dAqk, shift=-LOWER_BOUND / math.log(2))}
+    forms["fused+l2norm"] = dict(forms["fused"], rstd=rstd)
+    for form, extra in forms.items():
+        runs = [_emulate(emulator, x, lens, **extra) for _ in range(3)]
+        for n, t in runs[0].items():
+            for r in runs[1:]:
+                assert torch.equal(t.nan_to_num(7.0), r[n].nan_to_num(7.0)), f"{form}: {n} differs between runs"
 
 
 def test_intra_reason_needs_a_per_token_gate_bound(monkeypatch):

@@ -721,7 +721,8 @@ extern "C" void emu_run(void const* q, void const* k, void const* v, void const*
                         void* Aqk, void* Akk, int B, int T, int N, int H, int HV, float scale, float lb, int l2,
                         int bsig, float bscale, void const* cu, int cu64, long long* prof, int block_v, int wgmma,
                         int pass, void* rec, long long rec_slots, int cpc, int units, int maps, float* seg_H,
-                        float* seg_M, void* h_inter, void const* chunk_offsets, int NT, int state_rs) {
+                        float* seg_M, void* h_inter, void const* chunk_offsets, int NT, int state_rs, void* q_hat,
+                        void* k_hat, float* q_rstd, float* k_rstd) {
   KdaFwdParams p{};
   p.q = q; p.k = k; p.qk_tok_stride = int64_t(H) * 128; p.qk_head_stride = 128;
   p.v = v; p.v_tok_stride = int64_t(HV) * 128; p.v_head_stride = 128;
@@ -738,6 +739,7 @@ extern "C" void emu_run(void const* q, void const* k, void const* v, void const*
   p.seg_H = seg_H; p.seg_M = seg_M;
   p.h_inter = h_inter; p.chunk_offsets = chunk_offsets; p.chunk_offsets_int64 = true; p.NT = NT;
   p.state_rs = state_rs;
+  p.q_hat = q_hat; p.k_hat = k_hat; p.q_rstd = q_rstd; p.k_rstd = k_rstd;
   int ctas = pass == kKdaPrep ? N * HV * units : N * HV * (128 / block_v) * (pass == kKdaState ? units : 1);
   int const nthreads = pass == kKdaState && state_rs && block_v == 64 ? 128 : 256;  // kda_state_rs_kernel<., 64>
   std::barrier<> bar(nthreads);
@@ -810,7 +812,7 @@ def _ptr(x):
 
 def _emu_call(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, o, ht, Aqk, Akk, prof, *, scale, lb, l2, bsig, neg, svf,
               block_v, wgmma, pass_=0, rec=None, cpc=0, units=1, maps=False, seg_H=None, seg_M=None, h_inter=None,
-              chunk_offsets=None, state_rs=False):
+              chunk_offsets=None, state_rs=False, q_hat=None, k_hat=None, q_rstd=None, k_rstd=None):
     import ctypes
     ptr = _ptr
     B, T, H, _ = q.shape
@@ -822,10 +824,11 @@ def _emu_call(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, o, ht, Aqk, Akk, pr
                 ptr(cu), int(cu is not None and cu.dtype == torch.int64), ptr(prof), block_v, int(wgmma), pass_,
                 ptr(rec), ctypes.c_longlong(0 if rec is None else rec.shape[1]), cpc, units, int(maps), ptr(seg_H),
                 ptr(seg_M), ptr(h_inter), ptr(chunk_offsets), 0 if h_inter is None else h_inter.shape[1],
-                int(state_rs))
+                int(state_rs), ptr(q_hat), ptr(k_hat), ptr(q_rstd), ptr(k_rstd))
 
 
-def _emulate(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bsig, neg, svf, block_v, wgmma=False):
+def _emulate(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bsig, neg, svf, block_v, wgmma=False,
+             qk_kw=None):
 
     B, T, H, _ = q.shape
     HV = v.shape[2]
@@ -836,7 +839,7 @@ def _emulate(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bs
     Akk = torch.full((B, T, HV, 64), float("nan"), dtype=torch.bfloat16)
     prof = torch.full((N * HV * (128 // block_v), 10), -1, dtype=torch.int64)  # csrc/kda_sm90/kda_fwd.h kKdaFwdPhases
     _emu_call(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, o, ht, Aqk, Akk, prof, scale=scale, lb=lb, l2=l2,
-              bsig=bsig, neg=neg, svf=svf, block_v=block_v, wgmma=wgmma)
+              bsig=bsig, neg=neg, svf=svf, block_v=block_v, wgmma=wgmma, **(qk_kw or {}))
     return o, ht, Aqk, Akk, prof
 
 
@@ -982,7 +985,7 @@ def _h_buffers(q, cu, HV):
 
 
 def _emulate_two_kernel(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bsig, neg, svf, block_v,
-                        segments, seg_chunks=None, out_kw=None, state_rs=False):
+                        segments, seg_chunks=None, out_kw=None, state_rs=False, qk_kw=None):
     """fla_cula's two-kernel orchestration (kda_prefill.run_two_kernel: prep, maps, combine, pass 2) with every
     pass emulated; records poisoned (0xff) and segment states NaN before the pass that writes them."""
     import dataclasses
@@ -1011,7 +1014,7 @@ def _emulate_two_kernel(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale,
                   cpc=chunks_per_cta, units=units, maps=maps, seg_H=seg_H, seg_M=seg_M, **kw)
 
     kp.run_two_kernel(launch, N, HV, kp.record_slots(B, T, N), "cpu", plan, o, ht, Aqk, Akk, out_kw,
-                      functools.partial(_emu_combine, lib), state_rs=state_rs)
+                      functools.partial(_emu_combine, lib), state_rs=state_rs, qk_kw=qk_kw)
     return o, ht, Aqk, Akk
 
 
@@ -1027,6 +1030,42 @@ def test_two_kernel_emulated_same_bits_as_fused(emulator, case, block_v):
     got = _emulate_two_kernel(emulator, *args, block_v=block_v, segments=1, **kw)
     for name, a, b in zip(("o", "ht", "Aqk", "Akk"), ref, got, strict=True):
         assert not b.isnan().any() and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("form", ["fused", "two-kernel"])
+@pytest.mark.parametrize("case", ["fixed-tail-svf", "varlen-gva-empty"])
+def test_qk_hat_emulated(emulator, case, form):
+    """The grad extras q^, k^ (FLA's l2norm_fwd: bf16(x rstd), rstd = 1 / sqrt(sum x^2 + 1e-6)) written by the fused
+    kernel (V block 0) or the prep pass (one CTA per q head: GVA's other value heads write nothing): within one bf16
+    rounding of the fp64 formula, rstd within 1e-6, every token row written once (NaN-poisoned), and o, the final
+    state, Aqk and Akk bit-identical to the same call without them."""
+    _ext_or_skip()
+    args, kw = _emulator_case(case)
+    q, k = args[0], args[1]
+    B, T, H, _ = q.shape
+
+    def extras():
+        return dict(q_hat=torch.full_like(q, float("nan")), k_hat=torch.full_like(k, float("nan")),
+                    q_rstd=torch.full((B, T, H), float("nan")), k_rstd=torch.full((B, T, H), float("nan")))
+
+    def run(qk_kw):
+        if form == "fused":
+            return _emulate(emulator, *args, block_v=64, wgmma=True, qk_kw=qk_kw, **kw)[:4]
+        return _emulate_two_kernel(emulator, *args, block_v=64, segments=1, qk_kw=qk_kw, **kw)
+
+    base, x = run(None), extras()
+    got = run(x)
+    for name, a, b in zip(("o", "ht", "Aqk", "Akk"), base, got, strict=True):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), name
+    for n, raw in (("q", q), ("k", k)):
+        r = raw.double()
+        rstd = 1.0 / (r.pow(2).sum(-1) + 1e-6).sqrt()
+        assert not x[f"{n}_rstd"].isnan().any(), f"{n}_rstd: rows not written"
+        assert (x[f"{n}_rstd"].double() / rstd - 1).abs().max() < 1e-6, f"{n}_rstd"
+        y = (r * rstd.unsqueeze(-1))
+        got_y = x[f"{n}_hat"].double()
+        assert not got_y.isnan().any(), f"{n}_hat: rows not written"
+        assert ((got_y - y).abs() <= y.abs() * 2.0 ** -8 + 1e-30).all(), f"{n}_hat: beyond one bf16 rounding"
 
 
 @pytest.mark.parametrize("block_v", [64, 128])

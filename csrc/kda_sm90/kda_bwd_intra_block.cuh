@@ -18,7 +18,8 @@
 // bf16), hi hi + hi lo + lo hi with fp32 accumulation (~2^-17 relative; FLA: tf32, 2^-11). Warp w computes block
 // I = w % 4 on both sides for the 32 channels 32 (w / 4) ..: I + 1 block pairs on the row side, 4 - I on the
 // column side, five each (16 warps per chunk and value head). Shared tiles: g fp32 [64][kLdG], q, k bf16 [64][kLdK],
-// beta [64], dAqk, dAkk fp32 [64][kLdF] ([t][s]); rows >= L zero.
+// beta [64], dAqk, dAkk [64][kLdF] ([t][s]: fp32 as loaded, then split once per CTA by split_dA into the bf16 hi / lo
+// operands that ldmatrix reads); rows >= L zero.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -53,31 +54,80 @@ __device__ __forceinline__ void mma3(float (&acc)[4], FragA3 const& a, FragB3 co
   mma_bf16_16816(acc, a.hi[0], a.hi[1], a.hi[2], a.hi[3], b.hi[0], b.hi[1]);
 }
 
-// The A fragment of the 16 x 16 tile at rows m0, columns k0 of the fp32 [t][s] tile dA (kTrans: of its transpose,
-// A[m][k] = dA[k][m]), keeping the entries with t - s >= d within the tile (d = -16: all).
-template <bool kTrans>
-__device__ __forceinline__ FragA3 frag_a(float const* dA, int m0, int k0, int d, int lane) {
-  int const g8 = lane >> 2, t4 = lane & 3;
-  FragA3 f;
+// ldmatrix.sync.aligned.m8n8.x4.trans: as ldmatrix_x4, each 8 x 8 tile transposed (register i of lane l: stored
+// rows 2 (l % 4) and + 1 of tile i at column l / 4).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], bf16 const* row) {
+#ifdef FLA_CULA_KDA_HOST_EMULATION
+  kda_emulated_ldmatrix_trans(r, row);
+#else
+  unsigned const s = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+#endif
+}
+
+// dAqk and dAkk ([64][kLdF] fp32, [t][s]) split in place into the products' bf16 operands by the CTA's nthreads
+// threads; a barrier must follow before intra_products reads them. Entries above the products' diagonal are zeroed
+// (dAqk: s > t, dAkk: s >= t; every block the products read lies on or below the block diagonal, so this is their
+// mask). The 8 entries of row t at s = 8 u .. 8 u + 7 (32 bytes) become their bf16 hi (bytes 32 u ..) and lo
+// (32 u + 16 ..): each thread rewrites only the entries it read.
+__device__ __forceinline__ void split_dA(float* dAqk, float* dAkk, int tid, int nthreads) {
+  for (int i = tid; i < 2 * kC * 8; i += nthreads) {
+    int const t = (i >> 3) & (kC - 1), u = i & 7, d = i / (kC * 8);  // d = 0: dAqk (s <= t kept), 1: dAkk (s < t)
+    float* const p = (d ? dAkk : dAqk) + t * kLdF + 8 * u;
+    float4 const a = *reinterpret_cast<float4 const*>(p), b = *reinterpret_cast<float4 const*>(p + 4);
+    float const x[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    uint32_t hi[4], lo[4];
 #pragma unroll
-  for (int r = 0; r < 4; ++r) {  // a0: (g8, 2t4), a1: (g8 + 8, 2t4), a2: (g8, 2t4 + 8), a3: (g8 + 8, 2t4 + 8)
-    int const m = g8 + 8 * (r & 1), kk = 2 * t4 + 8 * (r >> 1);
-    float x0, x1;
-    if constexpr (kTrans) {
-      x0 = dA[(k0 + kk) * kLdF + m0 + m];
-      x1 = dA[(k0 + kk + 1) * kLdF + m0 + m];
-    } else {
-      float2 const x = *reinterpret_cast<float2 const*>(dA + (m0 + m) * kLdF + k0 + kk);
-      x0 = x.x;
-      x1 = x.y;
+    for (int e = 0; e < 4; ++e) {
+      int const s = 8 * u + 2 * e;
+      Bf16x2Split const sp = split_bf16x2(t - s >= d ? x[2 * e] : 0.f, t - s - 1 >= d ? x[2 * e + 1] : 0.f);
+      hi[e] = sp.hi;
+      lo[e] = sp.lo;
     }
-    int const ts = kTrans ? kk - m : m - kk;  // t - s of x0 (x1: the next k)
-    x0 = ts >= d ? x0 : 0.f;
-    x1 = (kTrans ? ts + 1 : ts - 1) >= d ? x1 : 0.f;
-    Bf16x2Split const s = split_bf16x2(x0, x1);
-    f.hi[r] = s.hi;
-    f.lo[r] = s.lo;
+    *reinterpret_cast<uint4*>(p) = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+    *reinterpret_cast<uint4*>(p + 4) = make_uint4(lo[0], lo[1], lo[2], lo[3]);
   }
+}
+static_assert(kLdF % 4 == 0, "split_dA: 16-byte aligned rows");
+
+// The A fragment (hi, lo) of the 16 x 16 tile at rows m0, columns k0 of a split dA tile (kTrans: of its transpose,
+// A[m][k] = dA[k][m]): one ldmatrix for each half.
+template <bool kTrans>
+__device__ __forceinline__ FragA3 frag_a(float const* dA, int m0, int k0, int lane) {
+  int const i = lane >> 3, j = lane & 7;  // lane 8 i + j addresses row j of 8 x 8 tile i
+  // the hi of entries (t, s .. s + 7), s % 8 = 0; their lo is the next 8 bf16
+  auto hi_at = [&](int t, int s) { return reinterpret_cast<bf16 const*>(dA + t * kLdF + s); };
+  FragA3 f;
+  if constexpr (kTrans) {  // tiles (m 0-7 | 8-15) x (k 0-7 | 8-15), stored as [k][m]
+    bf16 const* const r = hi_at(k0 + 8 * (i >> 1) + j, m0 + 8 * (i & 1));
+    ldmatrix_x4_trans(f.hi, r);
+    ldmatrix_x4_trans(f.lo, r + 8);
+  } else {
+    bf16 const* const r = hi_at(m0 + 8 * (i & 1) + j, k0 + 8 * (i >> 1));
+    ldmatrix_x4(f.hi, r);
+    ldmatrix_x4(f.lo, r + 8);
+  }
+  return f;
+}
+
+// A bf16 [64][kLdK] tile x at this lane's B-operand positions of 16-token block J: entry (nt, e) is token
+// 16 J + 2 t4 + {0, 1, 8, 9}[e] of channel c0 + 8 nt + g8 (nt < 4), by two ldmatrix.trans (load nt / 2, register
+// 2 (nt % 2) + e / 2 holds the token pair, the even token in the low half)
+struct TokenColumns {
+  uint32_t r[2][4];
+  __device__ __forceinline__ float operator()(int nt, int e) const {
+    uint32_t const w = r[nt >> 1][2 * (nt & 1) + (e >> 1)];
+    return e & 1 ? bf16_hi(w) : bf16_lo(w);
+  }
+};
+__device__ __forceinline__ TokenColumns token_columns(bf16 const* x, int J, int c0, int lane) {
+  int const i = lane >> 3, j = lane & 7;
+  TokenColumns f;
+#pragma unroll
+  for (int np = 0; np < 2; ++np)
+    ldmatrix_x4_trans(f.r[np], x + (16 * J + 8 * (i & 1) + j) * kLdK + c0 + 16 * np + 8 * (i >> 1));
   return f;
 }
 
@@ -113,8 +163,6 @@ __device__ __forceinline__ void intra_products(IntraTiles const& tl, int L, floa
   int const g8 = lane >> 2, t4 = lane & 3, r0 = 16 * I, top = (L - 1) >> 4;
   float const up = ex2(7.5f * shift), down = ex2(-7.5f * shift);  // exp2(+-(g_{r_I} - a_I))
   auto gs = [&](int t, int c) { return tl.g[t * kLdG + c]; };
-  auto kf = [&](int t, int c) { return __bfloat162float(tl.k[t * kLdK + c]); };
-  auto qf = [&](int t, int c) { return __bfloat162float(tl.q[t * kLdK + c]); };
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
@@ -130,8 +178,9 @@ __device__ __forceinline__ void intra_products(IntraTiles const& tl, int L, floa
       scale_columns(aq, c0, lane, [&](int) { return down; });  // exp2(g_t - g_{r_I}) = exp2(g_t - a_I) down
       scale_columns(ak, c0, lane, [&](int) { return down; });
     }
-    FragA3 const fq = frag_a<false>(tl.dAqk, r0, 16 * J, diag ? 0 : -16, lane);   // s <= t
-    FragA3 const fk = frag_a<false>(tl.dAkk, r0, 16 * J, diag ? 1 : -16, lane);   // s < t
+    FragA3 const fq = frag_a<false>(tl.dAqk, r0, 16 * J, lane);  // s <= t
+    FragA3 const fk = frag_a<false>(tl.dAkk, r0, 16 * J, lane);  // s < t
+    TokenColumns const kc = token_columns(tl.k, J, c0, lane);
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       int const c = c0 + 8 * nt + g8;
@@ -140,7 +189,7 @@ __device__ __forceinline__ void intra_products(IntraTiles const& tl, int L, floa
 #pragma unroll
       for (int e = 0; e < 4; ++e) {  // tokens s = 16 J + 2 t4 + {0, 1, 8, 9}
         int const s = 16 * J + 2 * t4 + (e & 1) + 8 * (e >> 1);
-        x[e] = s < L ? kf(s, c) * ex2(ref - gs(s, c)) : 0.f;
+        x[e] = s < L ? kc(nt, e) * ex2(ref - gs(s, c)) : 0.f;
       }
       Bf16x2Split const b0 = split_bf16x2(x[0], x[1]), b1 = split_bf16x2(x[2], x[3]);
       FragB3 const fb{{b0.hi, b1.hi}, {b0.lo, b1.lo}};
@@ -158,8 +207,9 @@ __device__ __forceinline__ void intra_products(IntraTiles const& tl, int L, floa
       // exp2(g_{r_{I+1}} - g_s) = exp2(a_I - g_s) exp2(g_{r_{I+1}} - g_{r_I}) up
       scale_columns(at, c0, lane, [&](int c) { return ex2(gs(r0 + 16, c) - gs(r0, c)) * up; });
     }
-    FragA3 const fq = frag_a<true>(tl.dAqk, r0, 16 * J, diag ? 0 : -16, lane);  // A[s][t] = dAqk[t][s], t >= s
-    FragA3 const fk = frag_a<true>(tl.dAkk, r0, 16 * J, diag ? 1 : -16, lane);  // t > s
+    FragA3 const fq = frag_a<true>(tl.dAqk, r0, 16 * J, lane);  // A[s][t] = dAqk[t][s], t >= s
+    FragA3 const fk = frag_a<true>(tl.dAkk, r0, 16 * J, lane);  // t > s
+    TokenColumns const qc = token_columns(tl.q, J, c0, lane), kc = token_columns(tl.k, J, c0, lane);
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       int const c = c0 + 8 * nt + g8;
@@ -169,8 +219,8 @@ __device__ __forceinline__ void intra_products(IntraTiles const& tl, int L, floa
       for (int e = 0; e < 4; ++e) {  // tokens t = 16 J + 2 t4 + {0, 1, 8, 9}
         int const t = 16 * J + 2 * t4 + (e & 1) + 8 * (e >> 1);
         float const f = t < L ? ex2(gs(t, c) - ref) : 0.f;
-        xq[e] = qf(t, c) * f;
-        xk[e] = tl.beta[t] * kf(t, c) * f;
+        xq[e] = qc(nt, e) * f;
+        xk[e] = tl.beta[t] * kc(nt, e) * f;
       }
       Bf16x2Split const q0 = split_bf16x2(xq[0], xq[1]), q1 = split_bf16x2(xq[2], xq[3]);
       Bf16x2Split const k0 = split_bf16x2(xk[0], xk[1]), k1 = split_bf16x2(xk[2], xk[3]);

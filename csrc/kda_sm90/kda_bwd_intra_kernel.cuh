@@ -20,7 +20,7 @@ constexpr int kIntraThreads = 512;  // 16 warps: 4 blocks of 16 tokens x 4 quart
 struct BwdIntraStorage {
   float g[kC * kLdG];
   bf16 q[kC * kLdK], k[kC * kLdK];
-  float dAqk[kC * kLdF], dAkk[kC * kLdF];             // [t][s]
+  float dAqk[kC * kLdF], dAkk[kC * kLdF];             // [t][s], split in place (split_dA)
   float dq[kC * kLdK], dk[kC * kLdK], dg[kC * kLdK];  // the incoming gradients (fp32 rows of kLdK)
   float beta[kC], db[4][kC];                          // db: one row of partial sums per channel quarter
 };
@@ -70,6 +70,8 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_bwd_intra_kernel(__grid_
   cp_async_commit();
   if (tid < kC) sm.beta[tid] = tid < L ? p.beta[(t0 + tid) * HV + hv] : 0.f;
   cp_async_wait_group<1>();
+  __syncthreads();
+  split_dA(sm.dAqk, sm.dAkk, tid, kIntraThreads);
   __syncthreads();
 
   IntraTiles const tl{sm.g, sm.q, sm.k, sm.beta, sm.dAqk, sm.dAkk};

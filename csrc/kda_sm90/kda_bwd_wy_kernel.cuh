@@ -3,6 +3,8 @@
 // One CTA (16 warps) per (chunk c, value head hv); tokens t, s, j < 64 of the chunk, channels k < 128, values
 // v < 128. bA[t][s] = Akk[s][t] (FLA reads Akk transposed); H[v][k] the chunk-start state as read by FLA
 // (S^T), dH likewise; e = exp2(g[t][k]), n the chunk's last row, L its length. Rows t >= L load as zero.
+// Every 2^x is ex2 (MUFU, kda_fwd_kernel.cuh): the same bits as exp2f for results >= 2^-126, smaller ones flush to
+// 0 (exp2f spends three more instructions to return them as subnormals).
 //   dvb = bA dv                      dv2 = dvb diag(beta)           db  = rowsum(dvb * v)
 //   dq  = scale e * (do H)           dk' = exp2(g_n - g) * (v' dH)  (0 on rows >= L)
 //   dw  = bf16(-(dv H))              kg  = k e
@@ -38,19 +40,6 @@ constexpr int kBwdThreads = 32 * kBwdWarps;
 constexpr int kNT128 = 128 / (kBwdWarps / 4) / 8;  // 8-column tiles of a warp's share of a 64 x 128 result
 constexpr int kNT64 = 64 / (kBwdWarps / 4) / 8;    // and of a 64 x 64 one
 
-// ldmatrix.sync.aligned.m8n8.x4.trans: as ldmatrix_x4, each 8 x 8 tile transposed (register i of lane l: stored
-// rows 2 (l % 4) and + 1 of tile i at column l / 4).
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], bf16 const* row) {
-#ifdef FLA_CULA_KDA_HOST_EMULATION
-  kda_emulated_ldmatrix_trans(r, row);
-#else
-  unsigned const s = static_cast<unsigned>(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-#endif
-}
-
 // acc[nt] += A[0:16][0:K] B[8 nt : 8 nt + 8][0:K]^T on the warp. A (m, k) at A[m lda + k], or A[k lda + m] with kAT;
 // B (n, k) at B[n ldb + k], or B[k ldb + n] with kBT. Rows 16-byte aligned; C fragments as in warp_mma_tn.
 template <int NT, int K, bool kAT, bool kBT>
@@ -80,14 +69,20 @@ __device__ __forceinline__ void warp_mma(float (&acc)[NT][4], bf16 const* A, int
   }
 }
 
-// db[r0 + g8 + 8 h] += x[h] summed over the warp's 4 lanes of that row (lane = 4 g8 + t4), from every warp
-__device__ __forceinline__ void add_row_shares(float* db, float const (&x)[2], int r0, int lane) {
+// x[h] summed over the warp's 4 lanes of row r0 + g8 + 8 h (lane = 4 g8 + t4) into slot[r0 + g8 + 8 h]: stored, or
+// added (kAdd) to what the same lane stored there before. One slot row per channel quarter, summed in a fixed order
+// by the reader (no atomics: the same bits every run).
+template <bool kAdd>
+__device__ __forceinline__ void put_row_shares(float* slot, float const (&x)[2], int r0, int lane) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float v = x[h];
     v += __shfl_xor_sync(0xffffffffu, v, 1);
     v += __shfl_xor_sync(0xffffffffu, v, 2);
-    if ((lane & 3) == 0) atomicAdd(&db[r0 + (lane >> 2) + 8 * h], v);
+    if ((lane & 3) == 0) {
+      float& d = slot[r0 + (lane >> 2) + 8 * h];
+      d = kAdd ? d + v : v;
+    }
   }
 }
 
@@ -108,10 +103,18 @@ struct BwdWyStorage {
   bf16 q[kC * kLdK];     // the epilogues' operands at the accumulator positions, loaded with the tiles
   bf16 k[kC * kLdK];
   float g[kC * kLdG];
-  float beta[kC], gn[kK], dgk[kK], db[kC];
+  float beta[kC], gn[kK], dgk[kK];
+  float dgkp[4][kK];     // colsum(k * dk') by row block (step 6)
+  float db[4][kC];       // db by channel quarter (steps 2, 8, 10)
+  // dgk and db: their partial sums, each written by one lane, summed in a fixed order (deterministic)
+  __device__ __forceinline__ float dgk_at(int c) const {
+    return dgk[c] + dgkp[0][c] + dgkp[1][c] + dgkp[2][c] + dgkp[3][c];
+  }
+  __device__ __forceinline__ float db_at(int t) const { return db[0][t] + db[1][t] + db[2][t] + db[3][t]; }
 };
 constexpr int kBwdWySmemBytes = int(sizeof(BwdWyStorage));
 static_assert(offsetof(BwdWyStorage, gn) % 16 == 0, "g_n arrives by 16-byte copies");
+static_assert(kBwdWySmemBytes <= 227 * 1024, "one CTA per SM: within the SM's 227 KB of shared memory");
 
 template <bool kVFirst, bool kIntra, bool kL2 = false>
 __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_constant__ KdaBwdWyParams const p) {
@@ -172,7 +175,6 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
       cp_async16(sm.g + t * kLdG + u, p.g + (t < L ? vrow(t) : 0) + u, t < L);
     }
     cp_async_commit();
-    if (tid < kC) sm.db[tid] = 0.f;
     cp_async_wait_group<2>();
     __syncthreads();  // group 0 landed
   }
@@ -212,7 +214,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
       int const o = kVFirst ? x * kLdK + tid : tid * kLdK + x;
       s += __bfloat162float(sm.h[o]) * __bfloat162float(sm.dh[o]);
     }
-    sm.dgk[tid] = s * exp2f(sm.gn[tid]);
+    sm.dgk[tid] = s * ex2(sm.gn[tid]);
   }
   cp_async_wait_group<0>();
   __syncthreads();  // dv and v are dead; group 2 landed
@@ -238,14 +240,14 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
       float2 d = make_float2(0.f, 0.f), q = d;
       if (t < L) {
         float2 const gg = *reinterpret_cast<float2 const*>(sm.g + t * kLdG + col);
-        d = make_float2(acc[nt][2 * hi] * exp2f(gg.x) * p.scale, acc[nt][2 * hi + 1] * exp2f(gg.y) * p.scale);
+        d = make_float2(acc[nt][2 * hi] * ex2(gg.x) * p.scale, acc[nt][2 * hi + 1] * ex2(gg.y) * p.scale);
         *reinterpret_cast<float2*>(p.dq + vrow(t) + col) = d;
         q = ld_bf16x2(sm.q + t * kLdK + col);
       }
       dg[nt][2 * hi] = q.x * d.x;
       dg[nt][2 * hi + 1] = q.y * d.y;
     }
-  // 6. dk' = exp2(g_n - g) (v' dH); dg -= k dk'; colsum(k dk') into dgk; kg = k e to shared memory (dv's place)
+  // 6. dk' = exp2(g_n - g) (v' dH); dg -= k dk'; colsum(k dk') into dgkp; kg = k e to shared memory (dv's place)
   float dk[kNT128][4];
   zero(dk);
   warp_mma<kNT128, kK, false, kVFirst>(dk, sm.vn + r0 * kLdK, kLdK, sm.dh + (kVFirst ? c128 : c128 * kLdK), kLdK, lane);
@@ -259,9 +261,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
       if (t < L) {
         float2 const gg = *reinterpret_cast<float2 const*>(sm.g + t * kLdG + col);
         kk = ld_bf16x2(sm.k + t * kLdK + col);
-        dk[nt][2 * hi] *= exp2f(sm.gn[col] - gg.x);
-        dk[nt][2 * hi + 1] *= exp2f(sm.gn[col + 1] - gg.y);
-        kg = make_float2(kk.x * exp2f(gg.x), kk.y * exp2f(gg.y));
+        dk[nt][2 * hi] *= ex2(sm.gn[col] - gg.x);
+        dk[nt][2 * hi + 1] *= ex2(sm.gn[col + 1] - gg.y);
+        kg = make_float2(kk.x * ex2(gg.x), kk.y * ex2(gg.y));
       } else {
         dk[nt][2 * hi] = dk[nt][2 * hi + 1] = 0.f;
       }
@@ -278,8 +280,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
       cs[1] += __shfl_xor_sync(0xffffffffu, cs[1], o);
     }
     if (g8 == 0) {
-      atomicAdd(&sm.dgk[c128 + 8 * nt + 2 * t4], cs[0]);
-      atomicAdd(&sm.dgk[c128 + 8 * nt + 2 * t4 + 1], cs[1]);
+      sm.dgkp[w & 3][c128 + 8 * nt + 2 * t4] = cs[0];
+      sm.dgkp[w & 3][c128 + 8 * nt + 2 * t4 + 1] = cs[1];
     }
   }
   __syncthreads();  // dw and kg complete; dgk complete; H and dH are dead
@@ -306,21 +308,21 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
       if (t >= L) continue;
       float2 const gg = *reinterpret_cast<float2 const*>(sm.g + t * kLdG + col);
       float2 const kk = ld_bf16x2(sm.k + t * kLdK + col);
-      float const e0 = exp2f(gg.x), e1 = exp2f(gg.y), b = sm.beta[t];
+      float const e0 = ex2(gg.x), e1 = ex2(gg.y), b = sm.beta[t];
       float const kg0 = kk.x * e0, kg1 = kk.y * e1, x0 = acc[nt][2 * hi], x1 = acc[nt][2 * hi + 1];
       dbp[hi] += x0 * kg0 + x1 * kg1;
       float2 d = make_float2(dg[nt][2 * hi] + kg0 * x0 * b, dg[nt][2 * hi + 1] + kg1 * x1 * b);
       if (t == L - 1) {
-        d.x += sm.dgk[col];
-        d.y += sm.dgk[col + 1];
+        d.x += sm.dgk_at(col);
+        d.y += sm.dgk_at(col + 1);
       }
       *reinterpret_cast<float2*>(p.dg + vrow(t) + col) = d;
       *reinterpret_cast<float2*>(p.dk + vrow(t) + col) =
           make_float2(dk[nt][2 * hi] + x0 * e0 * b, dk[nt][2 * hi + 1] + x1 * e1 * b);
     }
-  add_row_shares(sm.db, dbp, r0, lane);
+  put_row_shares<false>(sm.db[w >> 2], dbp, r0, lane);
   __syncthreads();  // db and X complete
-  if (!kIntra && tid < L) p.db[(t0 + tid) * HV + hv] = sm.db[tid];
+  if (!kIntra && tid < L) p.db[(t0 + tid) * HV + hv] = sm.db_at(tid);
   float* const dAqk_sm = reinterpret_cast<float*>(sm.dh);  // kIntra: dAqk [64][kLdF] in dH's place, arriving
   float* const dAkk_sm = reinterpret_cast<float*>(sm.h);   // during step 9; dA_out [64][kLdF] in H's
   if constexpr (kIntra) {
@@ -362,6 +364,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
     // 10. the intra-chunk step on q, k, g, beta (still in shared memory), dAqk and dA_out
     cp_async_wait_all();
     __syncthreads();
+    split_dA(dAqk_sm, dAkk_sm, tid, kBwdThreads);
+    __syncthreads();
     IntraTiles const tl{sm.g, sm.q, sm.k, sm.beta, dAqk_sm, dAkk_sm};
     int const I = w & 3;
     float aq[4][4], ak[4][4], at[4][4];
@@ -390,7 +394,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
             fk[h][nt] = r.dk;
           }
         });
-    add_row_shares(sm.db, db2, r0, lane);
+    put_row_shares<true>(sm.db[w >> 2], db2, r0, lane);
     if constexpr (kL2) {
       // 11. the l2norm backward from the final dq, dk of this thread's entries (kept from step 10): row dots over the
       // 4 channel quarters (Akk's dead place), then dqx, dkx in bf16
@@ -442,7 +446,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
     if (tid < L) {
       int t = tid;
       asm volatile("" : "+r"(t));  // an opaque row: its index is computed here, not kept live (spilled) from phase 1
-      p.db[(t0 + t) * HV + hv] = sm.db[t];
+      p.db[(t0 + t) * HV + hv] = sm.db_at(t);
     }
   }
 }

@@ -42,6 +42,10 @@ struct KdaFwdParams {
   void* Aqk;            // bf16 [B,T,HV,64] or null (grad extras; written by the V block 0 CTAs)
   void* Akk;            // bf16 [B,T,HV,64] or null
   int64_t extras_tok_stride;  // HV * 64
+  void* q_hat;          // bf16 [B,T,H,128] (q's strides) or null: bf16(q rstd_q), FLA's l2norm_fwd output (grad extras
+  void* k_hat;          //   with use_qk_l2norm; written by the CTAs of each q head's first value head, V block 0)
+  float* q_rstd;        // fp32 [B,T,H]: rstd = 1 / sqrt(sum x^2 + 1e-6)
+  float* k_rstd;
   void* h_inter;        // bf16 [B, NT, HV, 128, 128] in the h0 layout, or null: bf16(S) at every chunk start
                         // (return_intermediate_states); chunk c of sequence n is NT index n * NT + c (fixed length)
                         // or chunk_offsets[n] + c (varlen, B = 1)

@@ -124,7 +124,8 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
                  bool use_qk_l2norm, bool use_beta_sigmoid, double beta_scale, bool state_v_first,
                  int block_v, py::handle phase_cycles_obj, bool wgmma, int pass, py::handle rec_obj,
                  int chunks_per_cta, int units, bool maps, py::handle seg_H_obj, py::handle seg_M_obj,
-                 py::handle h_inter_obj, py::handle chunk_offsets_obj, bool state_rs) {
+                 py::handle h_inter_obj, py::handle chunk_offsets_obj, bool state_rs, py::handle q_hat_obj,
+                 py::handle k_hat_obj, py::handle q_rstd_obj, py::handle k_rstd_obj) {
   TensorArg q = tensor_arg(q_obj, "q"), k = tensor_arg(k_obj, "k"), v = tensor_arg(v_obj, "v");
   auto const [B, T, H, HV] = expect_qk_and_heads(q, k, v, {dtype::kBFloat16});
   TensorArg g = tensor_arg(g_obj, "g");
@@ -195,6 +196,27 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
     expect_tensor(Akk, {dtype::kBFloat16}, {B, T, HV, kChunk}, "(B, T, HV, 64)", &q, 4);
     p.Aqk = Aqk.data;
     p.Akk = Akk.data;
+  }
+  bool const qk_hat = !q_hat_obj.is_none();
+  if (qk_hat != !k_hat_obj.is_none() || qk_hat != !q_rstd_obj.is_none() || qk_hat != !k_rstd_obj.is_none()) {
+    throw py::value_error("q_hat, k_hat, q_rstd, k_rstd: expected all four or none (grad extras)");
+  }
+  if (qk_hat) {
+    if (pass == kKdaState) throw py::value_error("q_hat: expected None with the state pass (the prep pass writes it)");
+    if (!use_qk_l2norm) throw py::value_error("q_hat: expected None without use_qk_l2norm (it is the l2norm's output)");
+    if (q.stride(1) != H * kHeadDim || q.stride(2) != kHeadDim) {
+      throw py::value_error("q, k: expected contiguous rows [B, T, H, 128] with q_hat (it takes q's strides)");
+    }
+    TensorArg qh = tensor_arg(q_hat_obj, "q_hat"), kh = tensor_arg(k_hat_obj, "k_hat");
+    expect_tensor(qh, {dtype::kBFloat16}, {B, T, H, kHeadDim}, "(B, T, H, 128)", &q, 4);
+    expect_tensor(kh, {dtype::kBFloat16}, {B, T, H, kHeadDim}, "(B, T, H, 128)", &q, 4);
+    TensorArg qr = tensor_arg(q_rstd_obj, "q_rstd"), kr = tensor_arg(k_rstd_obj, "k_rstd");
+    expect_tensor(qr, {dtype::kFloat32}, {B, T, H}, "(B, T, H)", &q);
+    expect_tensor(kr, {dtype::kFloat32}, {B, T, H}, "(B, T, H)", &q);
+    p.q_hat = qh.data;
+    p.k_hat = kh.data;
+    p.q_rstd = qr.ptr<float>();
+    p.k_rstd = kr.ptr<float>();
   }
   if (block_v != 64 && block_v != 128) {
     throw py::value_error("block_v: expected 64 or 128, got " + std::to_string(block_v));
@@ -637,11 +659,15 @@ void register_kda_fwd(py::module_& m) {
         py::arg("pass_kind") = 0, py::arg("rec") = py::none(), py::arg("chunks_per_cta") = 0, py::arg("units") = 1,
         py::arg("maps") = false, py::arg("seg_H") = py::none(), py::arg("seg_M") = py::none(),
         py::arg("h_inter") = py::none(), py::arg("chunk_offsets") = py::none(), py::arg("state_rs") = false,
+        py::arg("q_hat") = py::none(), py::arg("k_hat") = py::none(), py::arg("q_rstd") = py::none(),
+        py::arg("k_rstd") = py::none(),
         "Enqueue the fused KDA prefill forward v1 (csrc/kda_sm90/kda_fwd.h) on the current stream of q's device:\n"
         "bf16 q, k [B,T,H,128], v, raw gate g [B,T,HV,128], raw beta [B,T,HV] (bf16/fp32); gate\n"
         "a = lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) (A_log [HV], dt_bias [HV*128] or None);\n"
         "initial_state / final_state fp32 [N,HV,128,128] (V-first with state_v_first) or None; writes o\n"
         "(bf16 [B,T,HV,128]) and, when given, Aqk/Akk (bf16 [B,T,HV,64], FLA's layout). All contiguous.\n"
+        "q_hat, k_hat (bf16 [B,T,H,128]) and q_rstd, k_rstd (fp32 [B,T,H]), all or none, with use_qk_l2norm and\n"
+        "not the state pass: FLA's l2norm_fwd outputs bf16(x rstd), rstd = 1 / sqrt(sum x^2 + 1e-6) (grad extras).\n"
         "block_v (64 or 128): V columns per CTA (N*HV*128/block_v CTAs; 128 computes the K-side prep once per\n"
         "(sequence, value head), 64 twice but fills more SMs).\n"
         "wgmma: the state-side products (-W, V', O, the state update) on SM90 warpgroup MMA instead of\n"

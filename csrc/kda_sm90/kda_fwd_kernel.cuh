@@ -690,6 +690,15 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   bf16 const* gg = static_cast<bf16 const*>(p.g) + hv * p.g_head_stride;
   bf16* og = p.o != nullptr ? static_cast<bf16*>(p.o) + hv * p.o_head_stride + col0 : nullptr;
   bool const extras = kPass != kKdaState && p.Aqk != nullptr && vb == 0;
+  // q^ = bf16(q rstd_q), k^ = bf16(k rstd_k) and the rstd (grad extras, FLA's l2norm_fwd outputs): one CTA per q head
+  // and chunk writes them (GVA: value head hv % (HV / H) == 0; V block 0). Token i (< rows) of the chunk at tok0.
+  bool const qk_out = kPass != kKdaState && p.q_hat != nullptr && vb == 0 && hv % (p.HV / p.H) == 0;
+  auto store_qk_hat = [&](int i, int d, float2 q, float2 k, float rq, float rk, int rows, int64_t tok0) {
+    if (i >= rows) return;
+    int64_t const o = int64_t(h) * p.qk_head_stride + (tok0 + i) * p.qk_tok_stride + d;
+    *reinterpret_cast<uint32_t*>(static_cast<bf16*>(p.q_hat) + o) = pack_bf16(q.x * rq, q.y * rq);
+    *reinterpret_cast<uint32_t*>(static_cast<bf16*>(p.k_hat) + o) = pack_bf16(k.x * rk, k.y * rk);
+  };
 
   // optional per-phase cycle counts (Params::phase_cycles): thread 0 reads clock64 after each phase's barrier
   // (the last mark lives in shared memory: no register stays live across the phases for it)
@@ -1129,6 +1138,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
           } else {
             sm.rstd_q[i] = rs;
           }
+          if (qk_out && i < rows) ((v & 1) ? p.k_rstd : p.q_rstd)[(tok0 + i) * p.H + h] = rs;
         }
       }
       {
@@ -1205,6 +1215,10 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
           int const i = kBC * r + u;
           float2 const G0 = Gr[u], G1 = Gr[u + 1];
           auto const [q0, q1, k0, k1, sq0, sq1, sk0, sk1] = raw_pair(i, d);
+          if (qk_out) {
+            store_qk_hat(i, d, q0, k0, sm.rstd_q[i], sk0, rows, tok0);
+            store_qk_hat(i + 1, d, q1, k1, sm.rstd_q[i + 1], sk1, rows, tok0);
+          }
           // anchored (phase 4's operands)
           float const ea00 = ex2(G0.x - a0), ea01 = ex2(G0.y - a1), ea10 = ex2(G1.x - a0), ea11 = ex2(G1.y - a1);
           float const fb00 = ex2(b0 - G0.x), fb01 = ex2(b1 - G0.y), fb10 = ex2(b0 - G1.x), fb11 = ex2(b1 - G1.y);
@@ -1234,6 +1248,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
           float2 const q2 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[i][d]));
           float2 const k2 = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[i][d]));
           float const sq = p.scale * sm.rstd_q[i], sk = sm.rstd_k[i];
+          if (qk_out) store_qk_hat(i, d, q2, k2, sm.rstd_q[i], sk, rows, tok0);
           float const ea0 = ex2(G.x - float(sm.anc_a[r][d])), ea1 = ex2(G.y - float(sm.anc_a[r][d + 1]));
           float const fb0 = ex2(float(sm.anc_b[r][d]) - G.x), fb1 = ex2(float(sm.anc_b[r][d + 1]) - G.y);
           store_pair(&t1_at(i, d), q2.x * sq * ea0, q2.y * sq * ea1);

@@ -11,10 +11,10 @@ Scope of v1 (everything else returns a reason and runs FLA):
   - use_qk_l2norm_in_kernel and use_beta_sigmoid_in_kernel (allow_neg_eigval) on or off;
   - initial_state fp32 in either layout or None; output_final_state; return_intermediate_states (inference: the
     chunk-start states h, bf16); fixed length and varlen;
-  - inference and grad. Under grad FLA's backward (fla_cula.ops.chunk_autograd) reads q^, k^, rstd and
-    the sigmoid beta, made here with FLA's own l2norm_fwd / fused_beta_sigmoid_fwd (the kernel then
-    runs on q^, k^ and that beta, so its Aqk/Akk see FLA's rounding of q^, k^), and Aqk / Akk, which
-    the kernel writes (FLA's [B,T,HV,64] layout, Akk zero above the diagonal).
+  - inference and grad. Under grad FLA's backward (fla_cula.ops.chunk_autograd) reads q^, k^, rstd
+    (FLA's l2norm_fwd outputs, which the kernel writes beside its own in-kernel l2norm), the sigmoid beta
+    (FLA's fused_beta_sigmoid_fwd; the kernel then runs on it) and Aqk / Akk, which the kernel writes
+    (FLA's [B,T,HV,64] layout, Akk zero above the diagonal).
 Per call (through ``fwd.size_reason``): chunk_size=32 and disable_recompute under grad (the kernel's scope),
 then the op's routing policy (``_route_reason``: grad, small grids -> FLA; run() ignores it).
 
@@ -27,7 +27,6 @@ import functools
 import math
 
 import torch
-from fla.modules.norm.l2norm import l2norm_fwd
 from fla.ops.common.gate import fused_beta_sigmoid_fwd
 from fla.ops.utils import prepare_chunk_indices, prepare_chunk_offsets
 
@@ -330,16 +329,18 @@ def combine_segments(seg_H: torch.Tensor, seg_M: torch.Tensor) -> None:
 
 
 def run_two_kernel(launch, N: int, HV: int, slots: int, device, plan: TwoKernelPlan, o, ht, Aqk, Akk,
-                   out_kw: dict | None = None, combine=combine_segments, state_rs: bool = False) -> None:
+                   out_kw: dict | None = None, combine=combine_segments, state_rs: bool = False,
+                   qk_kw: dict | None = None) -> None:
     """The two-kernel form: `launch(**kw)` runs one pass of the kernel (the extension's kda_fwd with this call's
     inputs bound; the CPU emulator in tests) with the keywords pass_kind, rec, chunks_per_cta, units, maps, seg_H,
     seg_M, block_v, o, ht, Aqk, Akk, and out_kw (h_inter, chunk_offsets) for the pass that writes o; `combine(seg_H,
-    seg_M)` is the split's combine (the forward passes `_C.kda_combine`). state_rs: the maps pass and pass 2 on
+    seg_M)` is the split's combine (the forward passes `_C.kda_combine`). qk_kw (q_hat, k_hat, q_rstd, k_rstd) go to
+    the prep pass with Aqk and Akk. state_rs: the maps pass and pass 2 on
     kda_state_rs_kernel (pass 2 with h_inter keeps kda_state_kernel). Allocates the records (64.5 KB per chunk and
     value head) and the segment states (64 KB per (sequence, value head) and segment, 2 P - 3 of them)."""
     rec = torch.empty(HV, slots, REC_BYTES, dtype=torch.uint8, device=device)
     launch(pass_kind=1, rec=rec, chunks_per_cta=PREP_CHUNKS, units=plan.prep_units, maps=False, seg_H=None,
-           seg_M=None, block_v=64, o=None, ht=None, Aqk=Aqk, Akk=Akk)
+           seg_M=None, block_v=64, o=None, ht=None, Aqk=Aqk, Akk=Akk, **(qk_kw or {}))
     P, seg_H = plan.segments, None
     rs = {"state_rs": True} if state_rs else {}
     if P > 1:
@@ -455,16 +456,18 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seq
     beta_scale = 2.0 if cfg.allow_neg_eigval else 1.0
     l2, bsig = cfg.use_qk_l2norm_in_kernel, cfg.use_beta_sigmoid_in_kernel
     q_rstd = k_rstd = Aqk = Akk = None
+    qk_kw = {}
     if need_grad:
-        # What FLA's backward reads, made by FLA's own functions; the kernel runs on those tensors.
-        if l2:
-            q, q_rstd = l2norm_fwd(q)
-            k, k_rstd = l2norm_fwd(k)
+        # What FLA's backward reads: the kernel writes q^ = bf16(q rstd), k^ and their rstd (FLA's l2norm_fwd
+        # outputs) beside Aqk / Akk; the sigmoid beta is FLA's own fused_beta_sigmoid_fwd (the kernel then runs on it).
         if bsig:
             beta = fused_beta_sigmoid_fwd(beta, beta_scale)
-        l2, bsig, beta_scale = False, False, 1.0
+        bsig, beta_scale = False, 1.0
         Aqk = torch.empty(B, T, HV, CHUNK, dtype=k.dtype, device=dev)
         Akk = torch.empty(B, T, HV, CHUNK, dtype=k.dtype, device=dev)
+        if l2:
+            q_rstd, k_rstd = (torch.empty(B, T, H, dtype=torch.float32, device=dev) for _ in range(2))
+            qk_kw = dict(q_hat=torch.empty_like(q), k_hat=torch.empty_like(k), q_rstd=q_rstd, k_rstd=k_rstd)
 
     launch = _launcher(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cfg, l2, bsig, beta_scale)
     out_kw, h = {}, None
@@ -480,14 +483,17 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seq
         two = two_kernel_choice(_lens(q, cu_seqlens, cu_seqlens_cpu), HV, _sm_count(dev))
     if two is not None:
         run_two_kernel(functools.partial(launch, wgmma=True), N, HV, record_slots(B, T, N), dev, two, o, ht, Aqk,
-                       Akk, out_kw, _C.kda_combine, state_rs=_TUNING["state_rs"])
+                       Akk, out_kw, _C.kda_combine, state_rs=_TUNING["state_rs"], qk_kw=qk_kw)
     else:
-        launch(o=o, ht=ht, Aqk=Aqk, Akk=Akk, block_v=_block_v(N, HV, dev), wgmma=_TUNING["wgmma"], **out_kw)
+        launch(o=o, ht=ht, Aqk=Aqk, Akk=Akk, block_v=_block_v(N, HV, dev), wgmma=_TUNING["wgmma"], **out_kw,
+               **qk_kw)
     if not need_grad:
         return KDAForward(o, ht, h=h)
     chunk_indices = None
     if cu_seqlens is not None:
         chunk_indices = prepare_chunk_indices(cu_seqlens=cu_seqlens, chunk_size=CHUNK, cu_seqlens_cpu=cu_seqlens_cpu)
+    if qk_kw:
+        q, k = qk_kw["q_hat"], qk_kw["k_hat"]
     return KDAForward(o, ht, q=q, q_rstd=q_rstd, k=k, k_rstd=k_rstd, beta=beta, g_cumsum=None, Aqk=Aqk, Akk=Akk,
                       initial_state=initial_state, chunk_indices=chunk_indices, chunk_offsets=None)
 

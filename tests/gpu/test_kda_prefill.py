@@ -817,6 +817,40 @@ def test_grad(c, form, strict_mode, fla_fns):
     assert not bad, f"{'; '.join(bad)} ({errs})"
 
 
+@pytest.mark.parametrize("form", ["fused", "two-P3"])
+@pytest.mark.parametrize("c", [cfg(T=200, H=2, HV=4, mode="grad", seed=7),
+                               cfg(lens=(1, 63, 130), H=2, HV=2, mode="grad", seed=8)], ids=["T200-GVA", "varlen"])
+def test_grad_extras_are_fla_l2norm_fwd(c, form):
+    """Under grad the kernel writes q^ = bf16(q rstd), k^ and their rstd beside Aqk / Akk (what FLA's backward reads
+    from FLA's l2norm_fwd): within one bf16 ulp of FLA's own l2norm_fwd outputs, rstd within 1e-5, every row."""
+    from fla.modules.norm.l2norm import l2norm_fwd
+
+    from fla_cula.kernels import kda_prefill
+    from fla_cula.ops.chunk_autograd import KDAChunkConfig
+
+    x = make_inputs(c)
+    conf = KDAChunkConfig(scale=128 ** -0.5, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                          use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=False,
+                          safe_gate=True, lower_bound=c.lb, state_v_first=False, chunk_size=64,
+                          disable_recompute=False, return_intermediate_states=False, cp=False, use_graph=False)
+    two = form != "fused"
+    kda_prefill.set_tuning(two_kernel=two, segments=3 if two else None)
+    try:
+        q0, k0 = x["q"].clone(), x["k"].clone()
+        fwd = kda_prefill.run(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["h0"], x["cu"],
+                              x["cu_cpu"], conf, need_grad=True)
+    finally:
+        kda_prefill.set_tuning()
+    assert torch.equal(q0, x["q"]) and torch.equal(k0, x["k"]), "inputs modified"
+    for n, ours, r_ours in (("q", fwd.q, fwd.q_rstd), ("k", fwd.k, fwd.k_rstd)):
+        y, rstd = l2norm_fwd(x[n])
+        assert ours.shape == y.shape and ours.dtype == y.dtype and r_ours.shape == rstd.shape, n
+        assert torch.isfinite(r_ours).all() and torch.isfinite(ours.float()).all(), f"{n}: unwritten rows"
+        assert ((r_ours / rstd - 1).abs().max() < 1e-5), f"{n}_rstd vs FLA's"
+        tol = y.float().abs() * 2.0 ** -7 + 1e-30  # one bf16 ulp: the same product, rstd rounded apart
+        assert ((ours.float() - y.float()).abs() <= tol).all(), f"{n}^ vs FLA's l2norm_fwd"
+
+
 def test_grad_dA_log_over_seeds(strict_mode, fla_fns):
     """dA_log of T200-B2-H4 over DA_LOG_SEEDS: the geometric mean of ours / FLA (errors vs fp64) within the 1.5x
     bar, and no draw above 3x (a bias in the kernel's Aqk / Akk would move every draw)."""
