@@ -26,7 +26,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL_SRC = "csrc/kda_sm90/kda_fwd_kernel.cuh"
-SYMBOLS = {"prep": "_ZN8fla_cula8kda_sm9015kda_prep_kernelILNS0_8GateFormE0ELb0EEEvNS_12KdaFwdParamsE",
+SYMBOLS = {"prep": "_ZN8fla_cula8kda_sm9015kda_prep_kernelILNS0_8GateFormE0ELb0ELb0EEEvNS_12KdaFwdParamsE",
            "state": "_ZN8fla_cula8kda_sm9016kda_state_kernelILi128ELb0EEEvNS_12KdaFwdParamsE"}
 STALLS = ("short_sb", "barrier", "wait", "selected", "not_selected", "mio", "long_sb", "math", "dispatch", "lg")
 

@@ -28,7 +28,7 @@ void register_kda_fwd(py::module_& m);
 }
 
 // Bumped whenever a function's signature or semantics changes; fla_cula/_ext.py refuses a stale build.
-constexpr int kApiVersion = 9;
+constexpr int kApiVersion = 10;
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fla_cula CUDA C++ kernels (sm_90a), torch-free pybind11 bindings over DLPack";
@@ -91,18 +91,21 @@ PYBIND11_MODULE(_C, m) {
           d["smem_bytes"] = s.smem_bytes;
           d["state_rs"] = s.state_rs;
           d["maps"] = s.maps;
-          // mangled kda_fwd_kernel<GateForm::SigmoidLB, profile, block_v, wgmma>, kda_prep_kernel<GateForm::SigmoidLB>,
-          // kda_state_kernel<block_v>, kda_state_rs_kernel
+          d["qk_hat"] = s.qk_hat;
+          // mangled kda_fwd_kernel<GateForm::SigmoidLB, profile, block_v, wgmma, qk_hat>, kda_prep_kernel<GateForm::
+          // SigmoidLB, profile, qk_hat>, kda_state_kernel<block_v, profile>, kda_state_rs_kernel<maps, block_v>
           if (s.state_rs) {
             d["symbol"] = std::string("kda_state_rs_kernelILb") + (s.maps ? "1" : "0") + "ELi" +
                           std::to_string(s.block_v) + "EE";
           } else if (s.pass == fla_cula::kKdaPrep) {
-            d["symbol"] = std::string("kda_prep_kernelILNS0_8GateFormE0EE");
+            d["symbol"] = std::string("kda_prep_kernelILNS0_8GateFormE0ELb") + (s.profile ? "1" : "0") + "ELb" +
+                          (s.qk_hat ? "1" : "0") + "EE";
           } else if (s.pass == fla_cula::kKdaState) {
-            d["symbol"] = "kda_state_kernelILi" + std::to_string(s.block_v) + "EE";
+            d["symbol"] = "kda_state_kernelILi" + std::to_string(s.block_v) + "ELb" + (s.profile ? "1" : "0") + "EE";
           } else {
             d["symbol"] = std::string("kda_fwd_kernelILNS0_8GateFormE0ELb") + (s.profile ? "1" : "0") + "ELi" +
-                          std::to_string(s.block_v) + "ELb" + (s.wgmma ? "1" : "0") + "E";
+                          std::to_string(s.block_v) + "ELb" + (s.wgmma ? "1" : "0") + "ELb" + (s.qk_hat ? "1" : "0") +
+                          "EE";
           }
           kda_specs.append(d);
         }

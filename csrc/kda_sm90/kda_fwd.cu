@@ -1,7 +1,8 @@
 // Launcher of the KDA prefill forward: size checks, device, shared-memory opt-in, launch. Instantiations: the fused
 // kernel with the bounded sigmoid gate, 64 or 128 V columns per CTA, mma.sync or wgmma, without and with the
 // phase_cycles instrumentation; the two-kernel form's prep kernel and its state kernel at 64 and 128 columns, each
-// also with the instrumentation, and the state kernel with the state in registers (pass 2 at 64 / 128 columns, maps).
+// also with the instrumentation, and the state kernel with the state in registers (pass 2 at 64 / 128 columns, maps);
+// the untimed fused and prep kernels also as the grad-extras variants that write q^, k^ and rstd.
 #include "kda_sm90/kda_fwd.h"
 
 #include <cuda_runtime_api.h>
@@ -16,6 +17,9 @@
 namespace fla_cula {
 namespace {
 
+using kda_sm90::kPrepSmemBytes, kda_sm90::kSmemBytes, kda_sm90::kStateRsSmemBytes, kda_sm90::kStateSmemBytes,
+    kda_sm90::kThreads;
+
 // One launch of `kernel` (its dynamic shared memory opted in once per device) on `ctas` CTAs. All of the SM's
 // unified memory as shared memory: the prep kernel's two CTAs per SM need 2 x 110 KB.
 template <auto kKernel, int kSmem, int kNT = kda_sm90::kThreads>
@@ -26,10 +30,10 @@ void launch(KdaFwdParams const& a, int64_t ctas, char const* name) {
   if (err != cudaSuccess) throw_cuda_error(err, (std::string("launch of ") + name).c_str(), __FILE__, __LINE__);
 }
 
-template <kda_sm90::GateForm kGate, bool kProfile, int kBV, bool kWgmma>
+template <kda_sm90::GateForm kGate, bool kProfile, int kBV, bool kWgmma, bool kQkHat>
 void launch_fused(KdaFwdParams const& a, int64_t ctas) {
-  launch<kda_sm90::kda_fwd_kernel<kGate, kProfile, kBV, kWgmma>, kda_sm90::kSmemBytes<kBV, kWgmma>>(a, ctas,
-                                                                                                  "kda_fwd_kernel");
+  launch<kda_sm90::kda_fwd_kernel<kGate, kProfile, kBV, kWgmma, kQkHat>, kSmemBytes<kBV, kWgmma>>(
+      a, ctas, "kda_fwd_kernel");
 }
 
 // CTAs of a pass: fused N * HV * V blocks; prep N * HV * units; state N * HV * V blocks * units
@@ -42,23 +46,28 @@ int64_t pass_ctas(KdaFwdParams const& a) {
 }  // namespace
 
 KdaFwdSpecialization const kKdaFwdSpecialization[kKdaFwdSpecializations] = {
-    {"sigmoid_lb", false, kda_sm90::kThreads, 64, false, kKdaFused, kda_sm90::kSmemBytes<64>, false, false},
-    {"sigmoid_lb", true, kda_sm90::kThreads, 64, false, kKdaFused, kda_sm90::kSmemBytes<64>, false, false},
-    {"sigmoid_lb", false, kda_sm90::kThreads, 128, false, kKdaFused, kda_sm90::kSmemBytes<128>, false, false},
-    {"sigmoid_lb", true, kda_sm90::kThreads, 128, false, kKdaFused, kda_sm90::kSmemBytes<128>, false, false},
-    {"sigmoid_lb", false, kda_sm90::kThreads, 64, true, kKdaFused, kda_sm90::kSmemBytes<64, true>, false, false},
-    {"sigmoid_lb", true, kda_sm90::kThreads, 64, true, kKdaFused, kda_sm90::kSmemBytes<64, true>, false, false},
-    {"sigmoid_lb", false, kda_sm90::kThreads, 128, true, kKdaFused, kda_sm90::kSmemBytes<128, true>, false, false},
-    {"sigmoid_lb", true, kda_sm90::kThreads, 128, true, kKdaFused, kda_sm90::kSmemBytes<128, true>, false, false},
-    {"sigmoid_lb", false, kda_sm90::kThreads, 0, true, kKdaPrep, kda_sm90::kPrepSmemBytes, false, false},
-    {"sigmoid_lb", true, kda_sm90::kThreads, 0, true, kKdaPrep, kda_sm90::kPrepSmemBytes, false, false},
-    {"none", false, kda_sm90::kThreads, 64, true, kKdaState, kda_sm90::kStateSmemBytes<64>, false, false},
-    {"none", true, kda_sm90::kThreads, 64, true, kKdaState, kda_sm90::kStateSmemBytes<64>, false, false},
-    {"none", false, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateSmemBytes<128>, false, false},
-    {"none", true, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateSmemBytes<128>, false, false},
-    {"none", false, 128, 64, true, kKdaState, kda_sm90::kStateRsSmemBytes<64>, true, false},
-    {"none", false, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateRsSmemBytes<128>, true, false},
-    {"none", false, kda_sm90::kThreads, 128, true, kKdaState, kda_sm90::kStateRsSmemBytes<128>, true, true},
+    {"sigmoid_lb", false, kThreads, 64, false, kKdaFused, kSmemBytes<64>, false, false, false},
+    {"sigmoid_lb", true, kThreads, 64, false, kKdaFused, kSmemBytes<64>, false, false, false},
+    {"sigmoid_lb", false, kThreads, 128, false, kKdaFused, kSmemBytes<128>, false, false, false},
+    {"sigmoid_lb", true, kThreads, 128, false, kKdaFused, kSmemBytes<128>, false, false, false},
+    {"sigmoid_lb", false, kThreads, 64, true, kKdaFused, kSmemBytes<64, true>, false, false, false},
+    {"sigmoid_lb", true, kThreads, 64, true, kKdaFused, kSmemBytes<64, true>, false, false, false},
+    {"sigmoid_lb", false, kThreads, 128, true, kKdaFused, kSmemBytes<128, true>, false, false, false},
+    {"sigmoid_lb", true, kThreads, 128, true, kKdaFused, kSmemBytes<128, true>, false, false, false},
+    {"sigmoid_lb", false, kThreads, 0, true, kKdaPrep, kPrepSmemBytes, false, false, false},
+    {"sigmoid_lb", true, kThreads, 0, true, kKdaPrep, kPrepSmemBytes, false, false, false},
+    {"none", false, kThreads, 64, true, kKdaState, kStateSmemBytes<64>, false, false, false},
+    {"none", true, kThreads, 64, true, kKdaState, kStateSmemBytes<64>, false, false, false},
+    {"none", false, kThreads, 128, true, kKdaState, kStateSmemBytes<128>, false, false, false},
+    {"none", true, kThreads, 128, true, kKdaState, kStateSmemBytes<128>, false, false, false},
+    {"none", false, 128, 64, true, kKdaState, kStateRsSmemBytes<64>, true, false, false},
+    {"none", false, kThreads, 128, true, kKdaState, kStateRsSmemBytes<128>, true, false, false},
+    {"none", false, kThreads, 128, true, kKdaState, kStateRsSmemBytes<128>, true, true, false},
+    {"sigmoid_lb", false, kThreads, 64, false, kKdaFused, kSmemBytes<64>, false, false, true},
+    {"sigmoid_lb", false, kThreads, 128, false, kKdaFused, kSmemBytes<128>, false, false, true},
+    {"sigmoid_lb", false, kThreads, 64, true, kKdaFused, kSmemBytes<64, true>, false, false, true},
+    {"sigmoid_lb", false, kThreads, 128, true, kKdaFused, kSmemBytes<128, true>, false, false, true},
+    {"sigmoid_lb", false, kThreads, 0, true, kKdaPrep, kPrepSmemBytes, false, false, true},
 };
 
 void run_kda_fwd(KdaFwdParams const& a) {
@@ -81,13 +90,19 @@ void run_kda_fwd(KdaFwdParams const& a) {
   FLA_CULA_REQUIRE(ctas < (int64_t(1) << 31), "kda_fwd: too many CTAs: " + std::to_string(ctas));
   FLA_CULA_REQUIRE(a.q && a.k && a.v && a.g && a.beta && (a.o || a.pass == kKdaPrep || a.maps),
                    "kda_fwd: null device pointer");
+  FLA_CULA_REQUIRE(a.q_hat == nullptr || (a.pass != kKdaState && a.phase_cycles == nullptr),
+                   "kda_fwd: q_hat (the grad extras) needs the fused or prep pass without phase_cycles");
   if (ctas == 0) return;
   DeviceGuard guard(a.device);
   require_compute_capability(a.device, 9, 0, "kda_fwd");
   constexpr auto kG = kda_sm90::GateForm::SigmoidLB;
   FLA_CULA_BOOL_SWITCH(a.phase_cycles != nullptr, kProfile, [&] {
     if (a.pass == kKdaPrep) {
-      launch<kda_sm90::kda_prep_kernel<kG, kProfile>, kda_sm90::kPrepSmemBytes>(a, ctas, "kda_prep_kernel");
+      if (a.q_hat != nullptr) {
+        launch<kda_sm90::kda_prep_kernel<kG, false, true>, kda_sm90::kPrepSmemBytes>(a, ctas, "kda_prep_kernel");
+      } else {
+        launch<kda_sm90::kda_prep_kernel<kG, kProfile>, kda_sm90::kPrepSmemBytes>(a, ctas, "kda_prep_kernel");
+      }
       return;
     }
     if (a.pass == kKdaState && a.state_rs) {
@@ -104,20 +119,24 @@ void run_kda_fwd(KdaFwdParams const& a) {
     }
     if (a.pass == kKdaState) {
       if (a.block_v == 128) {
-        launch<kda_sm90::kda_state_kernel<128, kProfile>, kda_sm90::kStateSmemBytes<128>>(a, ctas,
+        launch<kda_sm90::kda_state_kernel<128, kProfile>, kStateSmemBytes<128>>(a, ctas,
                                                                                           "kda_state_kernel");
       } else {
-        launch<kda_sm90::kda_state_kernel<64, kProfile>, kda_sm90::kStateSmemBytes<64>>(a, ctas,
+        launch<kda_sm90::kda_state_kernel<64, kProfile>, kStateSmemBytes<64>>(a, ctas,
                                                                                         "kda_state_kernel");
       }
       return;
     }
+    // q^, k^ only untimed (the REQUIRE above): kQk never instantiates an instrumented kernel with them
     FLA_CULA_BOOL_SWITCH(a.wgmma, kWgmma, [&] {
-      if (a.block_v == 128) {
-        launch_fused<kG, kProfile, 128, kWgmma>(a, ctas);
-      } else {
-        launch_fused<kG, kProfile, 64, kWgmma>(a, ctas);
-      }
+      FLA_CULA_BOOL_SWITCH(a.q_hat != nullptr, kQkHat, [&] {
+        constexpr bool kQk = kQkHat && !kProfile;
+        if (a.block_v == 128) {
+          launch_fused<kG, kProfile, 128, kWgmma, kQk>(a, ctas);
+        } else {
+          launch_fused<kG, kProfile, 64, kWgmma, kQk>(a, ctas);
+        }
+      });
     });
   });
 }

@@ -119,8 +119,9 @@ struct KdaFwdSpecialization {
   int smem_bytes;    // dynamic shared memory per CTA
   bool state_rs;     // kda_state_rs_kernel (Params::state_rs)
   bool maps;         // kda_state_rs_kernel<true>: the split's maps pass (Params::maps)
+  bool qk_hat;       // writes the grad extras q^, k^, rstd (Params::q_hat; the fused and prep kernels, untimed)
 };
-constexpr int kKdaFwdSpecializations = 17;
+constexpr int kKdaFwdSpecializations = 22;
 
 // Phases of a chunk timed by phase_cycles, in order: gate + block scan, scan offsets + anchors + rstd,
 // anchored factors (+ block scalars), Aqk+L,

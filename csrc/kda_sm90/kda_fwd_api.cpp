@@ -203,6 +203,9 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
   }
   if (qk_hat) {
     if (pass == kKdaState) throw py::value_error("q_hat: expected None with the state pass (the prep pass writes it)");
+    if (!phase_cycles_obj.is_none()) {
+      throw py::value_error("q_hat: expected None with phase_cycles (the instrumented kernels do not write it)");
+    }
     if (!use_qk_l2norm) throw py::value_error("q_hat: expected None without use_qk_l2norm (it is the l2norm's output)");
     if (q.stride(1) != H * kHeadDim || q.stride(2) != kHeadDim) {
       throw py::value_error("q, k: expected contiguous rows [B, T, H, 128] with q_hat (it takes q's strides)");
@@ -667,7 +670,8 @@ void register_kda_fwd(py::module_& m) {
         "initial_state / final_state fp32 [N,HV,128,128] (V-first with state_v_first) or None; writes o\n"
         "(bf16 [B,T,HV,128]) and, when given, Aqk/Akk (bf16 [B,T,HV,64], FLA's layout). All contiguous.\n"
         "q_hat, k_hat (bf16 [B,T,H,128]) and q_rstd, k_rstd (fp32 [B,T,H]), all or none, with use_qk_l2norm and\n"
-        "not the state pass: FLA's l2norm_fwd outputs bf16(x rstd), rstd = 1 / sqrt(sum x^2 + 1e-6) (grad extras).\n"
+        "neither the state pass nor phase_cycles: FLA's l2norm_fwd outputs bf16(x rstd), rstd = 1 / sqrt(sum x^2 +\n"
+        "1e-6) (grad extras).\n"
         "block_v (64 or 128): V columns per CTA (N*HV*128/block_v CTAs; 128 computes the K-side prep once per\n"
         "(sequence, value head), 64 twice but fills more SMs).\n"
         "wgmma: the state-side products (-W, V', O, the state update) on SM90 warpgroup MMA instead of\n"

@@ -520,9 +520,12 @@ __device__ __forceinline__ void unit_chunks(int cpc, int u, int last_u, int nchu
 // The kernels' body (they follow it). kProfile: the phase_cycles instrumentation is compiled in (a separate
 // instantiation, so the timed-off kernel keeps its registers and schedule). kPass: kKdaFused runs every phase of every
 // chunk; kKdaPrep phases 1-6 (no state: chunk-parallel) and writes records; kKdaState reads them and runs 7-8.
-template <GateForm kGate, bool kProfile, int kBV, bool kWgmma, KdaPass kPass>
+// kQkHat: the grad extras q^, k^, rstd are written (Params::q_hat; a separate instantiation, so that the inference
+// kernel's phase 3 keeps its schedule).
+template <GateForm kGate, bool kProfile, int kBV, bool kWgmma, KdaPass kPass, bool kQkHat = false>
 __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   static_assert(kBV == 64 || kBV == 128, "V columns per CTA: 64 or 128");
+  static_assert(!kQkHat || kPass != kKdaState, "q^, k^ come from the prep or the fused pass");
   constexpr int kVBlocks = kK / kBV;
   constexpr int kNS = kBV / 8;   // n-tiles of 8 columns of the state rows a warp owns
   constexpr int kNO = kBV / 16;  // n-tiles of the V' / O tile a warp owns (half of the columns)
@@ -692,7 +695,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   bool const extras = kPass != kKdaState && p.Aqk != nullptr && vb == 0;
   // q^ = bf16(q rstd_q), k^ = bf16(k rstd_k) and the rstd (grad extras, FLA's l2norm_fwd outputs): one CTA per q head
   // and chunk writes them (GVA: value head hv % (HV / H) == 0; V block 0). Token i (< rows) of the chunk at tok0.
-  bool const qk_out = kPass != kKdaState && p.q_hat != nullptr && vb == 0 && hv % (p.HV / p.H) == 0;
+  bool const qk_out = kQkHat && vb == 0 && hv % (p.HV / p.H) == 0;
   auto store_qk_hat = [&](int i, int d, float2 q, float2 k, float rq, float rk, int rows, int64_t tok0) {
     if (i >= rows) return;
     int64_t const o = int64_t(h) * p.qk_head_stride + (tok0 + i) * p.qk_tok_stride + d;
@@ -1636,16 +1639,16 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
 }
 
 // The fused forward: one CTA per (sequence, value head, V block) runs every phase of every chunk.
-template <GateForm kGate, bool kProfile, int kBV, bool kWgmma = false>
+template <GateForm kGate, bool kProfile, int kBV, bool kWgmma = false, bool kQkHat = false>
 __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(__grid_constant__ KdaFwdParams const p) {
-  kda_fwd_body<kGate, kProfile, kBV, kWgmma, kKdaFused>(p);
+  kda_fwd_body<kGate, kProfile, kBV, kWgmma, kKdaFused, kQkHat>(p);
 }
 
 // The two-kernel form, kernel 1: phases 1-6 of chunks_per_cta chunks per CTA (n, hv, chunk block), chunk-parallel;
 // each chunk's operand tiles to its record. PrepStorage: two CTAs per SM (128 registers a thread at most).
-template <GateForm kGate, bool kProfile = false>
+template <GateForm kGate, bool kProfile = false, bool kQkHat = false>
 __global__ void __launch_bounds__(kThreads, 2) kda_prep_kernel(__grid_constant__ KdaFwdParams const p) {
-  kda_fwd_body<kGate, kProfile, 64, true, kKdaPrep>(p);
+  kda_fwd_body<kGate, kProfile, 64, true, kKdaPrep, kQkHat>(p);
 }
 
 // Kernel 2: phases 7-8 of a segment (or a whole sequence) per CTA (n, unit, hv, V block) from the records.

@@ -604,6 +604,10 @@ def test_two_kernel_abi_errors():
         phase_cycles=torch.zeros(B * H * 2, C.KDA_FWD_PHASES, dtype=torch.int64, device=DEV))
     err(r"state_rs: expected a state pass .* got pass_kind 1", (None, None, None, None), pass_kind=1, rec=rec,
         state_rs=True)
+    hat = dict(q_hat=torch.empty_like(q), k_hat=torch.empty_like(q), q_rstd=torch.empty(B, T, H, device=DEV),
+               k_rstd=torch.empty(B, T, H, device=DEV))
+    err(r"q_hat: expected None with phase_cycles", (o, None, None, None), pass_kind=0,
+        phase_cycles=torch.zeros(B * H, C.KDA_FWD_PHASES, dtype=torch.int64, device=DEV), **hat)
 
 
 # return_intermediate_states (inference): h, bf16(S) at every chunk start in FLA's layout ([B, NT, HV, K, V], V-first
