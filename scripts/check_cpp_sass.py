@@ -23,10 +23,10 @@ from pathlib import Path
 # (an opcode matches with any modifiers: "HGMMA" matches "HGMMA.64x128x16.F32.BF16").
 REQUIRED_SASS: dict[str, list[str]] = {
     r"varlen_schedule_kernel": [],  # CUB scans and a radix sort: no tensor cores, no TMA
-    # KDA prefill v1: mma.sync products (HMMA), cp.async prefetch (LDGSTS); the wgmma instantiations (last
-    # template argument true) also HGMMA. UTMALDG becomes required with TMA loads.
+    # KDA prefill v1: mma.sync products (HMMA), cp.async prefetch (LDGSTS); the wgmma instantiations (fourth
+    # template argument, kWgmma, true) also HGMMA. UTMALDG becomes required with TMA loads.
     r"kda_fwd_kernel": ["HMMA", "LDGSTS"],
-    r"kda_fwd_kernel<.*, true>": ["HGMMA"],
+    r"kda_fwd_kernel<[^,]+, \w+, \d+, true\b": ["HGMMA"],
     # the two-kernel form: the prep (phases 1-6: mma.sync for Aqk / L, wgmma for -W, cp.async loads) and the state
     # kernel (wgmma products, cp.async record loads)
     r"kda_prep_kernel": ["HMMA", "HGMMA", "LDGSTS"],

@@ -267,6 +267,42 @@ def test_bwd_wy_fused_l2norm_matches_fla_l2norm_bwd(case):
         assert err < 8e-3, f"d{n}x: rel RMS {err:.2e} vs FLA's l2norm_bwd (both bf16)"
 
 
+@pytest.mark.parametrize("form", ["plain", "fused", "fused-l2norm"])
+def test_bwd_wy_same_bits_every_run(form):
+    """Every output of kda_bwd_wy is the same bits in three runs on the same inputs (dg's chunk-last rows and db are
+    sums over warps, taken in a fixed order from per-warp slots, not by atomics): a training run is reproducible."""
+    import math
+
+    kw = dict(CASES["B2-T1000-H2-HV4-kfirst"]) if form != "fused-l2norm" else dict(B=2, T=1000, H=4, HV=4)
+    x = _cuda(bwd_wy_inputs(**kw, seed=21))
+    B, T, H, _ = x["q"].shape
+    HV = x["v"].shape[2]
+    dAqk = _cuda(bwd_intra_inputs(B=B, T=T, H=H, HV=HV, seed=21))["dAqk"] if form != "plain" else None
+    rstd = [torch.rand(B, T, H, device="cuda") + 0.5 for _ in range(2)]
+    args = [x[n] for n in ("q", "k", "v", "v_new", "g", "beta", "A", "h", "do", "dh", "dv")]
+    C, shift = _ext.require(), -LOWER_BOUND / math.log(2)
+    runs = []
+    for _ in range(3):
+        o = {n: torch.full((B, T, HV, 128), float("nan"), device="cuda") for n in ("dq", "dk", "dg")}
+        o["dv2"] = torch.full((B, T, HV, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+        o["db"] = torch.full((B, T, HV), float("nan"), device="cuda")
+        if form == "plain":
+            o["dA"] = torch.full((B, T, HV, 64), float("nan"), device="cuda")
+            tail = (o["dA"], 128 ** -0.5, x["state_v_first"], None, None)
+        else:
+            tail = (None, 128 ** -0.5, x["state_v_first"], None, None, dAqk, shift)
+        if form == "fused-l2norm":
+            o["dqx"], o["dkx"] = (torch.full_like(x["q"], float("nan")) for _ in range(2))
+            tail += (rstd[0], rstd[1], o["dqx"], o["dkx"])
+        C.kda_bwd_wy(*args, o["dq"], o["dk"], o["dv2"], o["dg"], o["db"], *tail)
+        runs.append(o)
+    torch.cuda.synchronize()
+    for n, t in runs[0].items():
+        assert not t.isnan().any(), f"{form}: {n} has unwritten entries"
+        for r in runs[1:]:
+            assert torch.equal(t, r[n]), f"{form}: {n} differs between runs (max |diff| {(t - r[n]).abs().max()})"
+
+
 GATE_GPU_CASES = {
     "B2-T1000-HV4-bf16": dict(B=2, T=1000, HV=4, dtype=torch.bfloat16),
     "B1-T4096-HV8-fp32-noA": dict(B=1, T=4096, HV=8, dtype=torch.float32, A_log=False),
