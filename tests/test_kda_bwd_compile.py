@@ -23,22 +23,6 @@ for _name in ("g_wbar", "g_x", "g_a", "g_b", "g_c", "g_sp", "g_sr", "g_lp"):
     assert f"{_name}[8]" in _PRELUDE, _name
     _PRELUDE = _PRELUDE.replace(f"{_name}[8]", f"{_name}[16]")
 
-# ldmatrix.x4.trans as the hardware does it: register m of lane l holds stored rows 2 (l % 4) and + 1 of tile m at
-# column l / 4, whose row j lane 8 m + j addressed
-_PRELUDE += r"""
-inline void kda_emulated_ldmatrix_trans(uint32_t (&r)[4], __nv_bfloat16 const* row) {
-  int w = threadIdx.x >> 5, l = threadIdx.x & 31;
-  g_lp[w][l] = row;
-  g_wbar[w]->arrive_and_wait();
-  for (int m = 0; m < 4; ++m) {
-    uint16_t lo16, hi16;
-    std::memcpy(&lo16, g_lp[w][8 * m + 2 * (l % 4)] + l / 4, 2);
-    std::memcpy(&hi16, g_lp[w][8 * m + 2 * (l % 4) + 1] + l / 4, 2);
-    r[m] = uint32_t(lo16) | (uint32_t(hi16) << 16);
-  }
-  g_wbar[w]->arrive_and_wait();
-}
-"""
 
 EMULATOR_BWD_CPP = _PRELUDE + r"""
 #include <atomic>

@@ -574,6 +574,20 @@ inline void kda_emulated_ldmatrix(uint32_t (&r)[4], __nv_bfloat16 const* row) {
   for (int m = 0; m < 4; ++m) std::memcpy(&r[m], g_lp[w][8 * m + l / 4] + 2 * (l % 4), 4);
   g_wbar[w]->arrive_and_wait();
 }
+// ldmatrix.x4.trans: register m of lane l holds stored rows 2 (l % 4) and + 1 of tile m at column l / 4, whose row j
+// lane 8 m + j addressed
+inline void kda_emulated_ldmatrix_trans(uint32_t (&r)[4], __nv_bfloat16 const* row) {
+  int w = threadIdx.x >> 5, l = threadIdx.x & 31;
+  g_lp[w][l] = row;
+  g_wbar[w]->arrive_and_wait();
+  for (int m = 0; m < 4; ++m) {
+    uint16_t lo16, hi16;
+    std::memcpy(&lo16, g_lp[w][8 * m + 2 * (l % 4)] + l / 4, 2);
+    std::memcpy(&hi16, g_lp[w][8 * m + 2 * (l % 4) + 1] + l / 4, 2);
+    r[m] = uint32_t(lo16) | (uint32_t(hi16) << 16);
+  }
+  g_wbar[w]->arrive_and_wait();
+}
 inline float __shfl_xor_sync(unsigned, float v, int o) {
   int w = threadIdx.x >> 5, l = threadIdx.x & 31;
   g_x[w][l] = v;

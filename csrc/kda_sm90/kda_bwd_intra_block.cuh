@@ -54,19 +54,6 @@ __device__ __forceinline__ void mma3(float (&acc)[4], FragA3 const& a, FragB3 co
   mma_bf16_16816(acc, a.hi[0], a.hi[1], a.hi[2], a.hi[3], b.hi[0], b.hi[1]);
 }
 
-// ldmatrix.sync.aligned.m8n8.x4.trans: as ldmatrix_x4, each 8 x 8 tile transposed (register i of lane l: stored
-// rows 2 (l % 4) and + 1 of tile i at column l / 4).
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], bf16 const* row) {
-#ifdef FLA_CULA_KDA_HOST_EMULATION
-  kda_emulated_ldmatrix_trans(r, row);
-#else
-  unsigned const s = static_cast<unsigned>(__cvta_generic_to_shared(row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-#endif
-}
-
 // dAqk and dAkk ([64][kLdF] fp32, [t][s]) split in place into the products' bf16 operands by the CTA's nthreads
 // threads; a barrier must follow before intra_products reads them. Entries above the products' diagonal are zeroed
 // (dAqk: s > t, dAkk: s >= t; every block the products read lies on or below the block diagonal, so this is their

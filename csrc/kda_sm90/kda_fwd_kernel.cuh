@@ -471,6 +471,19 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], bf16 const* row) {
 #endif
 }
 
+// ldmatrix.sync.aligned.m8n8.x4.trans: as ldmatrix_x4, each 8 x 8 tile transposed (register i of lane l: stored
+// rows 2 (l % 4) and + 1 of tile i at column l / 4).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], bf16 const* row) {
+#ifdef FLA_CULA_KDA_HOST_EMULATION
+  kda_emulated_ldmatrix_trans(r, row);
+#else
+  unsigned const s = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+#endif
+}
+
 // This thread's shared-memory writes through the generic proxy (st.shared, stmatrix, cp.async) become visible to
 // the async proxy (wgmma operand reads) after the next barrier.
 __device__ __forceinline__ void fence_async_shared() {
