@@ -2,11 +2,12 @@
 inputs, same run.
 
     python -m benchmarks.kda_bwd_wy [--rows '[[2,4096,32],[1,8192,32]]'] [--reps 50] [--vfirst 1]
-                                    [--op wy intra pair fused gate]
+                                    [--op wy intra pair fused dv gate]
 
-Ops: wy, intra (each kernel against FLA's); pair (our two kernels in sequence) and fused (kda_bwd_wy with the intra
-step fused in), each against FLA's two kernels in sequence; gate (kda_bwd_gate and the sums over chunks against FLA's
-chunk_local_cumsum(dg, reverse) + kda_gate_bwd).
+Ops: wy, intra (each kernel against FLA's); pair (our two kernels in sequence, FLA's dAqk given) against FLA's two
+kernels in sequence; fused (kda_bwd_dv, then kda_bwd_wy with the intra step and its dAqk made inside) against FLA's
+chunk_kda_bwd_dAv, wy and intra kernels in sequence; dv (kda_bwd_dv against chunk_kda_bwd_dAv, which also makes
+dAqk); gate (kda_bwd_gate and the sums over chunks against FLA's chunk_local_cumsum(dg, reverse) + kda_gate_bwd).
 
 Random inputs of the training path's shapes (their values do not change the time); each side timed as the median of
 --reps CUDA-event intervals after a warm-up, in alternating order; the floor beside them is the kernel's bytes
@@ -105,14 +106,17 @@ def pair_inputs(B: int, T: int, HV: int, vfirst: bool) -> dict:
     return x
 
 
-def fla_pair(x):
-    from fla_cula.ops.kda_bwd import FLA_CHUNK_KDA_BWD_INTRA
+def fla_pair(x, dAv: bool = False):
+    from fla_cula.ops.kda_bwd import FLA_CHUNK_KDA_BWD_INTRA, chunk_kda_bwd_dAv
 
     wy = fla(x)
 
     def call():
+        dAqk = x["dAqk"]
+        if dAv:
+            dAqk = chunk_kda_bwd_dAv(q=x["q"], k=x["k"], v=x["v_new"], do=x["do"], A=x["A"], scale=128 ** -0.5)[0]
         dq, dk, _, db, dg, dA = wy.run()
-        FLA_CHUNK_KDA_BWD_INTRA(q=x["q"], k=x["k"], g=x["g"], beta=x["beta"], dAqk=x["dAqk"], dAkk=dA, dq=dq, dk=dk,
+        FLA_CHUNK_KDA_BWD_INTRA(q=x["q"], k=x["k"], g=x["g"], beta=x["beta"], dAqk=dAqk, dAkk=dA, dq=dq, dk=dk,
                                 db=db, dg=dg, chunk_size=64, safe_gate=True, lower_bound=-5.0)
     return call
 
@@ -125,17 +129,32 @@ def ours_pair(x, fused: bool):
     dq, dk, dg = (torch.empty(B, T, HV, 128, device="cuda") for _ in range(3))
     dv2, db = torch.empty_like(x["v"]), torch.empty(B, T, HV, device="cuda")
     dA = torch.empty(B, T, HV, 64, device="cuda")
+    dv = torch.empty_like(x["v"])
     shift = 5.0 / 0.6931471805599453
     wy_args = [x[n] for n in ("q", "k", "v", "v_new", "g", "beta", "A", "h", "do", "dh", "dv")]
 
     def call():
-        if fused:
-            C.kda_bwd_wy(*wy_args, dq, dk, dv2, dg, db, None, 128 ** -0.5, x["state_v_first"], None, None, x["dAqk"],
+        if fused:  # dv as chunk_kda_bwd_dAv's, then wy with the intra step (dAqk made inside)
+            C.kda_bwd_dv(x["A"], x["do"], dv)
+            C.kda_bwd_wy(*wy_args, dq, dk, dv2, dg, db, None, 128 ** -0.5, x["state_v_first"], None, None, True,
                          shift)
         else:
             C.kda_bwd_wy(*wy_args, dq, dk, dv2, dg, db, dA, 128 ** -0.5, x["state_v_first"])
             C.kda_bwd_intra(x["q"], x["k"], x["g"], x["beta"], x["dAqk"], dA, dq, dk, dg, db, dq, dk, dg, db, shift)
     return call
+
+
+def ours_dv(x):
+    from fla_cula import _ext
+
+    C, dv = _ext.require(), torch.empty_like(x["do"])
+    return lambda: C.kda_bwd_dv(x["A"], x["do"], dv)
+
+
+def fla_dv(x):
+    from fla_cula.ops.kda_bwd import chunk_kda_bwd_dAv
+
+    return lambda: chunk_kda_bwd_dAv(q=x["q"], k=x["k"], v=x["v_new"], do=x["do"], A=x["A"], scale=128 ** -0.5)
 
 
 def gate_inputs(B: int, T: int, HV: int) -> dict:
@@ -192,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="[[2,4096,32],[1,8192,32]]", help="JSON list of [B, T, HV]")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--vfirst", type=int, default=1, help="state layout: 1 V-first (the KDA layer's), 0 K-first")
-    ap.add_argument("--op", nargs="+", choices=("wy", "intra", "pair", "fused", "gate"), default=["wy", "intra"])
+    ap.add_argument("--op", nargs="+", choices=("wy", "intra", "pair", "fused", "dv", "gate"),
+                    default=["wy", "intra"])
     a = ap.parse_args(argv)
     print(f"{'op':>6} {'B':>3} {'T':>6} {'HV':>4} {'FLA us':>9} {'ours us':>9} {'speedup':>8} {'floor us':>9}")
     for op in a.op:
@@ -202,15 +222,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # bytes per (chunk, value head): wy reads q, k, v, v', do, dv, g, h, dh, Akk and writes dq, dk, dg, dv2, dA, db;
-# intra reads q, k, g, dAqk, dAkk, dq, dk, dg and writes dq, dk, dg; the pair both; fused: wy's with dAqk in for dA
-# out; gate reads dg (fp32) and g_raw (bf16) and writes dg_raw (bf16)
-BYTES = {"wy": 344e3, "intra": 290e3, "pair": 634e3, "fused": 344e3, "gate": 64 * 128 * 8}
+# intra reads q, k, g, dAqk, dAkk, dq, dk, dg and writes dq, dk, dg; the pair both; dv reads Aqk, do and writes dv
+# (40 KB); fused: wy's without dA out, plus dv's; gate reads dg (fp32) and g_raw (bf16) and writes dg_raw (bf16)
+BYTES = {"wy": 344e3, "intra": 290e3, "pair": 634e3, "fused": 368e3, "dv": 40e3, "gate": 64 * 128 * 8}
 
 
 def _row(op: str, B: int, T: int, HV: int, a) -> None:
     from fla_cula import _ext
 
-    need = "kda_bwd_gate" if op == "gate" else "kda_bwd_intra" if op != "wy" else "kda_bwd_wy"
+    need = {"gate": "kda_bwd_gate", "wy": "kda_bwd_wy", "dv": "kda_bwd_dv", "fused": "kda_bwd_dv"}.get(op,
+                                                                                                 "kda_bwd_intra")
     if not hasattr(_ext.require(), need):
         print(f"{op:>6} {B:>3} {T:>6} {HV:>4}  (this build has no {need})")
         return
@@ -222,7 +243,10 @@ def _row(op: str, B: int, T: int, HV: int, a) -> None:
         calls = {"fla": fla(x), "ours": ours(x)}
     elif op in ("pair", "fused"):
         x = pair_inputs(B, T, HV, bool(a.vfirst))
-        calls = {"fla": fla_pair(x), "ours": ours_pair(x, op == "fused")}
+        calls = {"fla": fla_pair(x, dAv=op == "fused"), "ours": ours_pair(x, op == "fused")}
+    elif op == "dv":
+        x = inputs(B, T, HV, bool(a.vfirst))
+        calls = {"fla": fla_dv(x), "ours": ours_dv(x)}
     else:
         x = intra_inputs(B, T, HV)
         calls = {"fla": fla_intra(x), "ours": ours_intra(x)}

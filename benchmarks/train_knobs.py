@@ -5,7 +5,8 @@
 The peers harness's training step (benchmarks.peers: random gates, FLA's layer flags, forward + backward with do
 and dht); ms per step as the harness's do_bench median (its fwdbwd mode's clock). Settings: FLA, fla_cula
 with every knob of fla_cula.ops.kda_bwd on, then with one knob off at a time (the knobs this build has: WY_KERNEL,
-INTRA_KERNEL, FUSED_INTRA, FUSED_L2NORM, GATE_KERNEL), so each fused part's share of the step is read in one run.
+INTRA_KERNEL, FUSED_INTRA, FUSED_L2NORM, DV_KERNEL, GATE_KERNEL), so each fused part's share of the step is read in
+one run.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from benchmarks.harness import _do_bench
 from benchmarks.train_profile import training_step
 
-KNOBS = ("WY_KERNEL", "INTRA_KERNEL", "FUSED_INTRA", "FUSED_L2NORM", "GATE_KERNEL")
+KNOBS = ("WY_KERNEL", "INTRA_KERNEL", "FUSED_INTRA", "FUSED_L2NORM", "DV_KERNEL", "GATE_KERNEL")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,7 @@ void register_kda_fwd(py::module_& m);
 }
 
 // Bumped whenever a function's signature or semantics changes; fla_cula/_ext.py refuses a stale build.
-constexpr int kApiVersion = 10;
+constexpr int kApiVersion = 11;
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fla_cula CUDA C++ kernels (sm_90a), torch-free pybind11 bindings over DLPack";

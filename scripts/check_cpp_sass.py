@@ -38,6 +38,7 @@ REQUIRED_SASS: dict[str, list[str]] = {
     # the backward's chunk-local gradients: mma.sync fed by ldmatrix (.trans for the transposed operands), cp.async
     r"kda_bwd_wy_kernel": ["HMMA", "LDSM", "LDGSTS"],
     r"kda_bwd_intra_kernel": ["HMMA", "LDGSTS"],  # bf16x3 block products on mma.sync, cp.async loads
+    r"kda_bwd_dv_kernel": ["HMMA", "LDSM", "LDGSTS"],  # dv = M(Aqk)^T do: mma.sync, ldmatrix.trans, cp.async
     r"kda_bwd_gate_kernel": [],  # dg's reverse cumsum and the gate backward: scalar loads and stores, one pass
 }
 ARCH = "sm_90a"

@@ -39,14 +39,14 @@ extern "C" void emu_bwd_wy(void const* q, void const* k, void const* v, void con
                            void const* dv, float const* g, float const* beta, void const* A, void const* h,
                            void const* dh, float* dq, float* dk, void* dv2, float* dg, float* db, float* dA, int B,
                            int T, int H, int HV, int chunks, float scale, int svf, void const* cu, int cu64,
-                           void const* ci, int ci64, float const* dAqk, float shift, float const* q_rstd,
+                           void const* ci, int ci64, int intra, float shift, float const* q_rstd,
                            float const* k_rstd, void* dqx, void* dkx) {
   KdaBwdWyParams p{};
   p.q = q; p.k = k; p.v = v; p.v_new = v_new; p.dout = dout; p.dv = dv; p.g = g; p.beta = beta; p.A = A;
   p.h = h; p.dh = dh; p.dq = dq; p.dk = dk; p.dv2 = dv2; p.dg = dg; p.db = db; p.dA = dA;
   p.B = B; p.T = T; p.H = H; p.HV = HV; p.chunks = chunks; p.scale = scale; p.state_v_first = svf;
   p.cu_seqlens = cu; p.cu_seqlens_int64 = cu64; p.chunk_indices = ci; p.chunk_indices_int64 = ci64;
-  p.dAqk = dAqk; p.gate_shift = shift; p.q_rstd = q_rstd; p.k_rstd = k_rstd; p.dqx = dqx; p.dkx = dkx;
+  p.intra = intra; p.gate_shift = shift; p.q_rstd = q_rstd; p.k_rstd = k_rstd; p.dqx = dqx; p.dkx = dkx;
   std::barrier<> bar(kda_sm90::kBwdThreads);
   g_bar = &bar;
   for (int w = 0; w < kda_sm90::kBwdWarps; ++w) g_wbar[w] = new std::barrier<>(32);
@@ -60,7 +60,7 @@ extern "C" void emu_bwd_wy(void const* q, void const* k, void const* v, void con
         threadIdx.x = t;
         if (p.q_rstd) {
           svf ? kda_sm90::kda_bwd_wy_kernel<true, true, true>(p) : kda_sm90::kda_bwd_wy_kernel<false, true, true>(p);
-        } else if (p.dAqk) {
+        } else if (p.intra) {
           svf ? kda_sm90::kda_bwd_wy_kernel<true, true>(p) : kda_sm90::kda_bwd_wy_kernel<false, true>(p);
         } else {
           svf ? kda_sm90::kda_bwd_wy_kernel<true, false>(p) : kda_sm90::kda_bwd_wy_kernel<false, false>(p);
@@ -118,7 +118,7 @@ def chunk_indices_of(lens, chunk=64):
                         dtype=torch.int32).reshape(-1, 2)
 
 
-def _emulate(lib, x, lens=None, dAqk=None, shift=0.0, rstd=None):
+def _emulate(lib, x, lens=None, intra=False, shift=0.0, rstd=None):
     q = x["q"]
     B, T, H, _ = q.shape
     HV = x["v"].shape[2]
@@ -139,7 +139,7 @@ def _emulate(lib, x, lens=None, dAqk=None, shift=0.0, rstd=None):
                    ptr(x["beta"]), ptr(x["A"]), ptr(x["h"]), ptr(x["dh"]), ptr(out["dq"]), ptr(out["dk"]),
                    ptr(out["dv2"]), ptr(out["dg"]), ptr(out["db"]), ptr(out["dA"]), B, T, H, HV, chunks,
                    ctypes.c_float(128 ** -0.5), int(x["state_v_first"]), ptr(x["cu_seqlens"]), 0, ptr(ci), 0,
-                   ptr(dAqk), ctypes.c_float(shift), *(ptr(None if rstd is None else r) for r in rstd or (None, None)),
+                   int(intra), ctypes.c_float(shift), *(ptr(None if rstd is None else r) for r in rstd or (None, None)),
                    *(ptr(out.get(n)) for n in ("dqx", "dkx")))
     return out
 
@@ -185,16 +185,18 @@ def test_sass_hmma_ldsm_no_spills():
     names = _ext.demangle(list(sass))
     syms = [s for s in sass if "kda_bwd_wy_kernel" in names[s]]
     assert len(syms) == 6, sorted(names.values())  # state_v_first or not x (plain, kIntra, kIntra + kL2)
+    dv = [s for s in sass if "kda_bwd_dv_kernel" in names[s]]
+    assert len(dv) == 1, sorted(names.values())
     intra = [s for s in sass if "kda_bwd_intra_kernel" in names[s]]
     assert len(intra) == 1, sorted(names.values())
     gate = [s for s in sass if "kda_bwd_gate_kernel" in names[s]]
     assert len(gate) == 2, sorted(names.values())  # g_raw / dg_raw fp32 or bf16
     for s in gate:
         assert sass[s][0] == "sm_90a" and usage[s]["stack"] == 0 and usage[s]["local"] == 0, usage[s]
-    for s in syms + intra:
+    for s in syms + intra + dv:
         arch, ops = sass[s]
         assert arch == "sm_90a"
-        for op in ("HMMA", "LDGSTS") + (("LDSM", "LDSM.16.MT88") if s in syms else ()):
+        for op in ("HMMA", "LDGSTS") + (("LDSM", "LDSM.16.MT88") if s in syms + dv else ()):
             assert any(o.startswith(op) for o in ops), (op, sorted(ops))
         assert usage[s]["stack"] == 0 and usage[s]["local"] == 0, usage[s]
 
@@ -341,28 +343,22 @@ def test_bwd_intra_emulated_matches_fp64_model(intra_emulator, case):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bwd_wy_fused_intra_emulated_matches_fp64_model(emulator, case):
-    """kda_bwd_wy with dAqk (the intra step fused in) against the fp64 intra model applied to the plain kernel's
-    outputs on the same inputs (dq, dk, db, dg and dA as dAkk: FLA's composition of its two kernels; the wy part's
-    own errors are test_bwd_wy_emulated_matches_fp64_model's): the added terms within 2e-5 of their scale, dv2 equal
-    to the plain kernel's, dA not written (stays NaN)."""
+    """kda_bwd_wy with intra (the intra step fused in, its dAqk made in the kernel from do and v_new) against the
+    fp64 intra model applied to the plain kernel's outputs on the same inputs, with the fp64 dAqk of FLA's
+    chunk_kda_bwd_dAv (dq, dk, db, dg and dA as dAkk: FLA's composition of its kernels; the wy part's own errors are
+    test_bwd_wy_emulated_matches_fp64_model's): the added terms within 2e-5 of their scale, dv2 equal to the plain
+    kernel's, dA not written (stays NaN)."""
     import math
 
-    from fla_cula.reference.kda import bwd_intra_reference
+    from fla_cula.reference.kda import bwd_dAv_reference, bwd_intra_reference
 
     kw = dict(CASES[case])
     lens = kw.get("lens")
     x = bwd_wy_inputs(**kw, seed=len(case) + 7)
     B, T, HV = x["v"].shape[:3]
-    gen = torch.Generator().manual_seed(len(case))
-    dAqk = torch.zeros(B, T, HV, 64)
-    seqs = ([(b, 0, T) for b in range(B)] if lens is None
-            else [(0, int(x["cu_seqlens"][i]), int(x["cu_seqlens"][i + 1])) for i in range(len(lens))])
-    for b, bos, eos in seqs:
-        for t0 in range(bos, eos, 64):
-            n = min(64, eos - t0)
-            dAqk[b, t0:t0 + n, :, :n] = torch.randn(n, HV, n, generator=gen) * torch.tril(torch.ones(n, n)).unsqueeze(1)
+    dAqk = bwd_dAv_reference(x["v_new"], x["do"], scale=128 ** -0.5, cu_seqlens=x["cu_seqlens"])["dAqk"]
     plain = _emulate(emulator, x, lens)
-    got = _emulate(emulator, x, lens, dAqk=dAqk, shift=-LOWER_BOUND / math.log(2))
+    got = _emulate(emulator, x, lens, intra=True, shift=-LOWER_BOUND / math.log(2))
     ref = bwd_intra_reference(x["q"], x["k"], x["g"], x["beta"], dAqk, plain["dA"], plain["dq"], plain["dk"],
                               plain["db"], plain["dg"], x["cu_seqlens"])
     assert got["dA"].isnan().all(), "dA written by the fused form"
@@ -391,11 +387,9 @@ def test_bwd_wy_same_bits_every_run(emulator, case):
     lens = kw.get("lens")
     x = bwd_wy_inputs(**kw, seed=11)
     B, T, H, _ = x["q"].shape
-    HV = x["v"].shape[2]
-    dAqk = bwd_intra_inputs(B=B, T=T, H=H, HV=HV, lens=lens, seed=11)["dAqk"]
     gen = torch.Generator().manual_seed(11)
     rstd = tuple(torch.rand(B, T, H, generator=gen) + 0.5 for _ in range(2))
-    forms = {"plain": {}, "fused": dict(dAqk=dAqk, shift=-LOWER_BOUND / math.log(2))}
+    forms = {"plain": {}, "fused": dict(intra=True, shift=-LOWER_BOUND / math.log(2))}
     forms["fused+l2norm"] = dict(forms["fused"], rstd=rstd)
     for form, extra in forms.items():
         runs = [_emulate(emulator, x, lens, **extra) for _ in range(3)]
@@ -425,7 +419,7 @@ def test_intra_reason_needs_a_per_token_gate_bound(monkeypatch):
 
 @pytest.mark.parametrize("case", sorted(n for n, c in CASES.items() if c.get("HV", 1) == c.get("H", 1)))
 def test_bwd_wy_fused_l2norm_emulated(emulator, case):
-    """kda_bwd_wy with dAqk, q_rstd and k_rstd (intra step and l2norm backward fused, H == HV): dqx, dkx equal FLA's
+    """kda_bwd_wy with intra, q_rstd and k_rstd (intra step and l2norm backward fused, H == HV): dqx, dkx equal FLA's
     l2norm_bwd formula, rstd (dy - y (y . dy)) in fp64 on the fused form's own final dq, dk (which it still writes),
     within bf16's rounding; dq, dk, dg, db, dv2 as without the l2norm backward."""
     import math
@@ -435,11 +429,10 @@ def test_bwd_wy_fused_l2norm_emulated(emulator, case):
     x = bwd_wy_inputs(**kw, seed=len(case) + 3)
     B, T, HV = x["v"].shape[:3]
     gen = torch.Generator().manual_seed(len(case) + 1)
-    dAqk = torch.randn(B, T, HV, 64, generator=gen) * 0.5
     rstd = tuple(torch.rand(B, T, HV, generator=gen) + 0.5 for _ in range(2))
     shift = -LOWER_BOUND / math.log(2)
-    base = _emulate(emulator, x, lens, dAqk=dAqk, shift=shift)
-    got = _emulate(emulator, x, lens, dAqk=dAqk, shift=shift, rstd=rstd)
+    base = _emulate(emulator, x, lens, intra=True, shift=shift)
+    got = _emulate(emulator, x, lens, intra=True, shift=shift, rstd=rstd)
     for n in ("dq", "dk", "dg", "db", "dv2"):  # up to the order of the shared-memory atomics (dgk, db)
         assert rel_rms(got[n].double(), base[n].double()) < 1e-6, f"{n} differs with the l2norm backward fused"
     for n, y, r in (("q", x["q"], rstd[0]), ("k", x["k"], rstd[1])):
@@ -450,6 +443,95 @@ def test_bwd_wy_fused_l2norm_emulated(emulator, case):
         assert not o[rows].isnan().any(), f"d{n}x: unwritten rows"
         err = rel_rms(o[rows], ref[rows])
         assert err < 4e-3, f"d{n}x: rel RMS {err:.2e} vs the fp64 formula (bf16 output)"
+
+
+# ---------------------------------------------------------------------------------------------
+# kda_bwd_dv (csrc/kda_sm90/kda_bwd_dv_kernel.cuh): dv = M(Aqk)^T do, 256 threads
+# ---------------------------------------------------------------------------------------------
+EMULATOR_DV_CPP = _PRELUDE16 + r"""
+#define FLA_CULA_KDA_HOST_EMULATION 1
+#include "kda_sm90/kda_bwd_dv_kernel.cuh"
+
+using namespace fla_cula;
+
+extern "C" void emu_bwd_dv(void const* Aqk, void const* dout, void* dv, int B, int T, int HV, int chunks,
+                           void const* cu, void const* ci) {
+  KdaBwdDvParams p{};
+  p.Aqk = Aqk; p.dout = dout; p.dv = dv; p.B = B; p.T = T; p.HV = HV; p.chunks = chunks;
+  p.cu_seqlens = cu; p.chunk_indices = ci;
+  std::barrier<> bar(kda_sm90::kDvThreads);
+  g_bar = &bar;
+  for (int w = 0; w < kda_sm90::kDvThreads / 32; ++w) g_wbar[w] = new std::barrier<>(32);
+  static_assert(kda_sm90::kBwdDvSmemBytes <= int(sizeof(smem_raw)));
+  for (int b = 0; b < chunks * HV; ++b) {
+    blockIdx.x = b;
+    std::memset(smem_raw, 0xff, sizeof(smem_raw));
+    std::vector<std::thread> th;
+    for (int t = 0; t < kda_sm90::kDvThreads; ++t)
+      th.emplace_back([&p, t] {
+        threadIdx.x = t;
+        kda_sm90::kda_bwd_dv_kernel(p);
+      });
+    for (auto& x : th) x.join();
+  }
+  for (int w = 0; w < kda_sm90::kDvThreads / 32; ++w) delete g_wbar[w];
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def dv_emulator(tmp_path_factory):
+    return build_emulator(EMULATOR_DV_CPP, tmp_path_factory, "kda_bwd_dv_emu")
+
+
+def bwd_dv_inputs(B, T, HV, lens=None, seed=0):
+    """Aqk [B,T,HV,64] bf16 as the forward leaves it (row t of its chunk; NaN above the diagonal and past the chunk's
+    length, which the kernel must not read) and do [B,T,HV,128]."""
+    gen = torch.Generator().manual_seed(seed)
+    cu = None if lens is None else torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    seqs = ([(b, 0, T) for b in range(B)] if lens is None
+            else [(0, int(cu[i]), int(cu[i + 1])) for i in range(len(lens))])
+    Aqk = torch.full((B, T, HV, 64), float("nan"))
+    for b, bos, eos in seqs:
+        for t0 in range(bos, eos, 64):
+            L = min(64, eos - t0)
+            a = torch.randn(L, HV, L, generator=gen) * 0.3
+            Aqk[b, t0:t0 + L, :, :L] = torch.where(torch.tril(torch.ones(L, L, dtype=torch.bool)).unsqueeze(1), a,
+                                                  float("nan"))
+    do = torch.randn(B, T, HV, 128, generator=gen).to(torch.bfloat16)
+    return dict(Aqk=Aqk.to(torch.bfloat16), do=do, cu_seqlens=cu)
+
+
+DV_CASES = {
+    "fixed-tail": dict(B=1, T=100, HV=1),
+    "fixed-heads": dict(B=2, T=64, HV=3),
+    "varlen-short": dict(B=1, T=86, HV=2, lens=[70, 1, 15]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DV_CASES))
+def test_bwd_dv_emulated_matches_fp64_model(dv_emulator, case):
+    """kda_bwd_dv against the fp64 model of chunk_kda_bwd_dAv's dv (bf16 output: one rounding), every row written
+    (the output starts as NaN), Aqk's entries above the diagonal (NaN here) not read."""
+    from fla_cula.reference.kda import bwd_dAv_reference
+
+    kw = dict(DV_CASES[case])
+    lens = kw.get("lens")
+    x = bwd_dv_inputs(**kw, seed=len(case))
+    B, T, HV = kw["B"], kw["T"], kw["HV"]
+    dv = torch.full((B, T, HV, 128), float("nan"), dtype=torch.bfloat16)
+    ci = None if lens is None else chunk_indices_of(lens)
+    chunks = B * ((T + 63) // 64) if lens is None else ci.shape[0]
+
+    def ptr(t):
+        return ctypes.c_void_p(0 if t is None else t.data_ptr())
+
+    dv_emulator.emu_bwd_dv(ptr(x["Aqk"]), ptr(x["do"]), ptr(dv), B, T, HV, chunks, ptr(x["cu_seqlens"]), ptr(ci))
+    ref = bwd_dAv_reference(x["do"], x["do"], x["Aqk"], cu_seqlens=x["cu_seqlens"])["dv"]  # v_new: dAqk only
+    o = dv.double()
+    assert not o.isnan().any(), f"dv: {int(o.isnan().sum())} NaN entries (unwritten rows or masked entries read)"
+    err = rel_rms(o, ref)
+    assert err < 4e-3, f"dv: rel RMS {err:.2e} vs the fp64 model (bf16 output)"
 
 
 # ---------------------------------------------------------------------------------------------

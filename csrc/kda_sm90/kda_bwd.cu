@@ -1,4 +1,4 @@
-// Launchers of kda_bwd_wy, kda_bwd_intra and kda_bwd_gate (their *_kernel.cuh): grid, shared memory, launch on the
+// Launchers of kda_bwd_wy, kda_bwd_dv, kda_bwd_intra and kda_bwd_gate (their *_kernel.cuh): grid, shared memory, launch on the
 // caller's stream.
 #include <cuda_runtime_api.h>
 
@@ -6,6 +6,7 @@
 
 #include "common/cuda_check.h"
 #include "kda_sm90/kda_bwd.h"
+#include "kda_sm90/kda_bwd_dv_kernel.cuh"
 #include "kda_sm90/kda_bwd_gate_kernel.cuh"
 #include "kda_sm90/kda_bwd_intra_kernel.cuh"
 #include "kda_sm90/kda_bwd_wy_kernel.cuh"
@@ -25,7 +26,7 @@ template <bool kVFirst>
 void launch_form(KdaBwdWyParams const& p, dim3 grid, cudaStream_t stream) {
   if (p.q_rstd) {
     launch_wy<kVFirst, true, true>(p, grid, stream);
-  } else if (p.dAqk) {
+  } else if (p.intra) {
     launch_wy<kVFirst, true, false>(p, grid, stream);
   } else {
     launch_wy<kVFirst, false, false>(p, grid, stream);
@@ -51,13 +52,25 @@ void run_kda_bwd_wy(KdaBwdWyParams const& p) {
   require_compute_capability(p.device, 9, 0, "kda_bwd_wy");
   dim3 const grid{unsigned(ctas)};
   auto const stream = static_cast<cudaStream_t>(p.stream);
-  FLA_CULA_REQUIRE(p.dAqk == nullptr || (p.gate_shift > 0.f && p.gate_shift <= 16.6f),
-                   "kda_bwd_wy: with dAqk, gate_shift must be in (0, 16.6] (safe_gate with -11.5 <= lower_bound < 0), "
+  FLA_CULA_REQUIRE(!p.intra || (p.gate_shift > 0.f && p.gate_shift <= 16.6f),
+                   "kda_bwd_wy: with intra, gate_shift must be in (0, 16.6] (safe_gate with -11.5 <= lower_bound < 0), "
                    "got " + std::to_string(p.gate_shift));
-  FLA_CULA_REQUIRE(p.q_rstd == nullptr || (p.dAqk != nullptr && p.H == p.HV && p.k_rstd && p.dqx && p.dkx),
-                   "kda_bwd_wy: the fused l2norm backward needs dAqk, H == HV, k_rstd, dqx and dkx");
+  FLA_CULA_REQUIRE(p.q_rstd == nullptr || (p.intra && p.H == p.HV && p.k_rstd && p.dqx && p.dkx),
+                   "kda_bwd_wy: the fused l2norm backward needs intra, H == HV, k_rstd, dqx and dkx");
   launch_kda_bwd_wy(p, grid, stream);
   FLA_CULA_CHECK_LAUNCH("kda_bwd_wy_kernel");
+}
+
+void run_kda_bwd_dv(KdaBwdDvParams const& p) {
+  int64_t const ctas = int64_t(p.chunks) * p.HV;
+  FLA_CULA_REQUIRE(ctas < (int64_t(1) << 31), "kda_bwd_dv: too many (chunk, value head) pairs: " +
+                                                  std::to_string(ctas));
+  if (ctas == 0) return;
+  DeviceGuard guard(p.device);
+  require_compute_capability(p.device, 9, 0, "kda_bwd_dv");
+  kda_sm90::kda_bwd_dv_kernel<<<dim3{unsigned(ctas)}, kda_sm90::kDvThreads, kda_sm90::kBwdDvSmemBytes,
+                                static_cast<cudaStream_t>(p.stream)>>>(p);
+  FLA_CULA_CHECK_LAUNCH("kda_bwd_dv_kernel");
 }
 
 void run_kda_bwd_intra(KdaBwdIntraParams const& p) {

@@ -29,11 +29,11 @@ struct KdaBwdWyParams {
   void* dv2;           // bf16 [B,T,HV,128]
   float* dg;           // fp32 [B,T,HV,128]
   float* db;           // fp32 [B,T,HV]
-  float* dA;           // fp32 [B,T,HV,64] (unused with dAqk)
-  float const* dAqk;   // fp32 [B,T,HV,64] or null: non-null fuses FLA's chunk_kda_bwd_intra into this kernel (dq, dk,
-                       // dg, db then include its terms; dA is not written)
-  float gate_shift;    // with dAqk: -lower_bound / ln 2 in (0, 16.6] (safe_gate)
-  float const* q_rstd;  // fp32 [B,T,H] or null; with dAqk and H == HV, non-null fuses FLA's l2norm_bwd of q and k:
+  float* dA;           // fp32 [B,T,HV,64] (unused with intra)
+  bool intra;          // fuse FLA's chunk_kda_bwd_intra into this kernel, with its dAqk = scale M(do v_new^T) made here
+                       // (the dAqk half of chunk_kda_bwd_dAv): dq, dk, dg, db then include its terms; dA not written
+  float gate_shift;    // with intra: -lower_bound / ln 2 in (0, 16.6] (safe_gate)
+  float const* q_rstd;  // fp32 [B,T,H] or null; with intra and H == HV, non-null fuses FLA's l2norm_bwd of q and k:
   float const* k_rstd;  //   q, k are then the normalized y, and dqx, dkx receive rstd (dy - y (y . dy)) of the final
   void* dqx;            //   dq, dk in bf16 [B,T,H,128]; dq, dk keep only kda_bwd_wy's own terms (scratch)
   void* dkx;
@@ -50,6 +50,24 @@ struct KdaBwdWyParams {
 };
 
 void run_kda_bwd_wy(KdaBwdWyParams const& params);
+
+// kda_bwd_dv: the dv half of FLA's chunk_kda_bwd_dAv, dv = M(Aqk)^T do per chunk and value head
+// (kda_bwd_dv_kernel.cuh); its dAqk half is kda_bwd_wy's with intra.
+struct KdaBwdDvParams {
+  void const* Aqk;   // bf16 [B,T,HV,64]: row t of its chunk, read on and below the diagonal only
+  void const* dout;  // bf16 [B,T,HV,128] do
+  void* dv;          // bf16 [B,T,HV,128] (rows past a sequence's end untouched)
+  int B, T, HV;
+  int chunks;
+  void const* cu_seqlens;
+  bool cu_seqlens_int64;
+  void const* chunk_indices;
+  bool chunk_indices_int64;
+  int device;
+  void* stream;
+};
+
+void run_kda_bwd_dv(KdaBwdDvParams const& params);
 
 // kda_bwd_intra: FLA's chunk_kda_bwd_intra, the gradients through the chunk-local Aqk and Akk added to the
 // incoming dq, dk, db, dg (kda_bwd_intra_kernel.cuh). Block products on mma.sync (bf16x3); needs a per-token gate

@@ -19,7 +19,7 @@
 // I = w % 4 on both sides for the 32 channels 32 (w / 4) ..: I + 1 block pairs on the row side, 4 - I on the
 // column side, five each (16 warps per chunk and value head). Shared tiles: g fp32 [64][kLdG], q, k bf16 [64][kLdK],
 // beta [64], dAqk, dAkk [64][kLdF] ([t][s]: fp32 as loaded, then split once per CTA by split_dA into the bf16 hi / lo
-// operands that ldmatrix reads); rows >= L zero.
+// operands that ldmatrix reads, or stored split by put_split_pair); rows >= L zero.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -78,6 +78,16 @@ __device__ __forceinline__ void split_dA(float* dAqk, float* dAkk, int tid, int 
   }
 }
 static_assert(kLdF % 4 == 0, "split_dA: 16-byte aligned rows");
+
+// Entries (t, s), (t, s + 1) (s even) of a [64][kLdF] tile stored in split_dA's layout from fp32 values a, b: the
+// mma.sync epilogues' way to make a split tile without an fp32 pass (the caller applies the mask).
+__device__ __forceinline__ void put_split_pair(float* tile, int t, int s, float a, float b) {
+  Bf16x2Split const sp = split_bf16x2(a, b);
+  uint32_t* const row = reinterpret_cast<uint32_t*>(tile + t * kLdF + (s & ~7));
+  int const e = (s & 7) >> 1;
+  row[e] = sp.hi;
+  row[4 + e] = sp.lo;
+}
 
 // The A fragment (hi, lo) of the 16 x 16 tile at rows m0, columns k0 of a split dA tile (kTrans: of its transpose,
 // A[m][k] = dA[k][m]): one ldmatrix for each half.

@@ -13,13 +13,15 @@
 //   dg  = q dq - k dk' + [t = n] dgk + kg dkgb beta
 //   dk  = dk' + dkgb e beta
 //   X   = bf16(M(dA) diag(beta)),  dA_out = -M(bA bf16(X Akk))  (M: strictly lower, both rows < L)
+//   dAqk = scale M'(do v'^T)         (kIntra; M': lower with the diagonal, rows < L: FLA's chunk_kda_bwd_dAv's dA)
 // Products are warp mma.sync m16n8k16 over shared-memory tiles (ldmatrix, .trans for operands stored with the
 // reduced index across rows), so no tile is stored twice. Warp w owns rows 16 (w % 4) .. + 15 and columns
 // 32 (w / 4) .. + 31 of a 64 x 128 result (16 (w / 4) .. + 15 of a 64 x 64 one). Sixteen warps at <= 128
 // registers: the CTA is alone on its SM (shared memory), so its warps are all the latency hiding there is.
-// kIntra (dAqk given): the intra-chunk step (kda_bwd_intra_block.cuh) follows in the same CTA: dAqk lands in dH's
-// place during step 9, dA_out stays in shared memory (H's place) instead of going out, and the step adds its terms to
-// the dq, dk, dg, db this CTA has just written (each entry re-read by the thread that wrote it). kL2 (with kIntra, H =
+// kIntra: the intra-chunk step (kda_bwd_intra_block.cuh) follows in the same CTA: dAqk is made from do and v' (step
+// 8b, into dH's place) and dA_out stays in shared memory (H's place) instead of going out, both stored as the bf16
+// hi / lo pairs the intra products read (split_dA's layout); the step adds its terms to the dq, dk, dg, db this CTA
+// has just written (each entry re-read by the thread that wrote it). kL2 (with kIntra, H =
 // HV, q_rstd given): FLA's l2norm backward of q and k follows on the final dq, dk: dqx = rstd (dq - y (y . dq)), y the
 // normalized q in shared memory, the row dots summed over the 4 channel quarters in shared memory; dqx, dkx go out
 // in bf16 (dq, dk hold the final fp32 values too; the thread keeps its entries of them in registers for this). One CTA
@@ -39,35 +41,6 @@ constexpr int kBwdWarps = 16;
 constexpr int kBwdThreads = 32 * kBwdWarps;
 constexpr int kNT128 = 128 / (kBwdWarps / 4) / 8;  // 8-column tiles of a warp's share of a 64 x 128 result
 constexpr int kNT64 = 64 / (kBwdWarps / 4) / 8;    // and of a 64 x 64 one
-
-// acc[nt] += A[0:16][0:K] B[8 nt : 8 nt + 8][0:K]^T on the warp. A (m, k) at A[m lda + k], or A[k lda + m] with kAT;
-// B (n, k) at B[n ldb + k], or B[k ldb + n] with kBT. Rows 16-byte aligned; C fragments as in warp_mma_tn.
-template <int NT, int K, bool kAT, bool kBT>
-__device__ __forceinline__ void warp_mma(float (&acc)[NT][4], bf16 const* A, int lda, bf16 const* B, int ldb,
-                                         int lane) {
-  static_assert(NT % 2 == 0 && K % 16 == 0, "two 8-column tiles per B load, 16-deep steps");
-  int const i = lane >> 3, j = lane & 7;  // this lane addresses row j of 8 x 8 tile i
-#pragma unroll
-  for (int k0 = 0; k0 < K; k0 += 16) {
-    uint32_t a[4];  // tiles (m 0-7 | 8-15) x (k 0-7 | 8-15), m fastest
-    if constexpr (kAT) {
-      ldmatrix_x4_trans(a, A + (k0 + 8 * (i >> 1) + j) * lda + 8 * (i & 1));
-    } else {
-      ldmatrix_x4(a, A + (8 * (i & 1) + j) * lda + k0 + 8 * (i >> 1));
-    }
-#pragma unroll
-    for (int np = 0; np < NT / 2; ++np) {
-      uint32_t b[4];  // tiles (n 0-7 | 8-15) x (k 0-7 | 8-15), k fastest: b0, b1 of two 8-column tiles
-      if constexpr (kBT) {
-        ldmatrix_x4_trans(b, B + (k0 + 8 * (i & 1) + j) * ldb + 16 * np + 8 * (i >> 1));
-      } else {
-        ldmatrix_x4(b, B + (16 * np + 8 * (i >> 1) + j) * ldb + k0 + 8 * (i & 1));
-      }
-      mma_bf16_16816(acc[2 * np], a[0], a[1], a[2], a[3], b[0], b[1]);
-      mma_bf16_16816(acc[2 * np + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
-    }
-  }
-}
 
 // x[h] summed over the warp's 4 lanes of row r0 + g8 + 8 h (lane = 4 g8 + t4) into slot[r0 + g8 + 8 h]: stored, or
 // added (kAdd) to what the same lane stored there before. One slot row per channel quarter, summed in a fixed order
@@ -94,11 +67,12 @@ __device__ __forceinline__ float2 ld_bf16x2(void const* p) {
 // Shared memory (~214 KB, one CTA per SM). The 64 x 128 tiles die in phases and take the later tiles' places.
 struct BwdWyStorage {
   bf16 dout[kC * kLdK];  // do; then bf16(Y) [64][kLdC]
-  bf16 vn[kC * kLdK];    // v'; then X [64][kLdC]
+  bf16 vn[kC * kLdK];    // v'
   bf16 dv[kC * kLdK];    // dv; then bf16(kg)
   bf16 v[kC * kLdK];     // v; then dw = bf16(-(dv H))
-  bf16 h[kK * kLdK];     // the state as stored ([v][k] with state_v_first, else [k][v])
-  bf16 dh[kK * kLdK];
+  bf16 h[kK * kLdK];     // the state as stored ([v][k] with state_v_first, else [k][v]); then X [64][kLdC], then
+                         // dA_out (kIntra)
+  bf16 dh[kK * kLdK];    // then dAqk (kIntra)
   bf16 A[kC * kLdC];     // Akk rows as stored: A[s][t] = bA[t][s]
   bf16 q[kC * kLdK];     // the epilogues' operands at the accumulator positions, loaded with the tiles
   bf16 k[kC * kLdK];
@@ -285,9 +259,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
     }
   }
   __syncthreads();  // dw and kg complete; dgk complete; H and dH are dead
-  // 7. dA += dw bf16(kg)^T (this warp's entries), then X = bf16(M(dA) diag(beta)) in v''s place
+  // 7. dA += dw bf16(kg)^T (this warp's entries), then X = bf16(M(dA) diag(beta)) in H's place
   warp_mma<kNT64, kK, false, false>(dA, sm.v + r0 * kLdK, kLdK, sm.dv + c64 * kLdK, kLdK, lane);
-  bf16* const X = sm.vn;
+  bf16* const X = sm.h;
 #pragma unroll
   for (int nt = 0; nt < kNT64; ++nt)
 #pragma unroll
@@ -321,18 +295,24 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
           make_float2(dk[nt][2 * hi] + x0 * e0 * b, dk[nt][2 * hi + 1] + x1 * e1 * b);
     }
   put_row_shares<false>(sm.db[w >> 2], dbp, r0, lane);
+  float* const dAqk_sm = reinterpret_cast<float*>(sm.dh);  // kIntra: dAqk, dA_out [64][kLdF] in split_dA's layout
+  float* const dAkk_sm = reinterpret_cast<float*>(sm.h);   // in dH's and (after X) H's places
+  if constexpr (kIntra) {
+    // 8b. dAqk = scale M'(do v'^T) (this warp's entries; rows >= L of do are zero)
+    float a[kNT64][4];
+    zero(a);
+    warp_mma<kNT64, kK, false, false>(a, sm.dout + r0 * kLdK, kLdK, sm.vn + c64 * kLdK, kLdK, lane);
+#pragma unroll
+    for (int nt = 0; nt < kNT64; ++nt)
+#pragma unroll
+      for (int hi = 0; hi < 2; ++hi) {
+        int const t = r0 + g8 + 8 * hi, s = c64 + 8 * nt + 2 * t4;
+        put_split_pair(dAqk_sm, t, s, s <= t ? a[nt][2 * hi] * p.scale : 0.f,
+                       s + 1 <= t ? a[nt][2 * hi + 1] * p.scale : 0.f);
+      }
+  }
   __syncthreads();  // db and X complete
   if (!kIntra && tid < L) p.db[(t0 + tid) * HV + hv] = sm.db_at(tid);
-  float* const dAqk_sm = reinterpret_cast<float*>(sm.dh);  // kIntra: dAqk [64][kLdF] in dH's place, arriving
-  float* const dAkk_sm = reinterpret_cast<float*>(sm.h);   // during step 9; dA_out [64][kLdF] in H's
-  if constexpr (kIntra) {
-#pragma unroll
-    for (int r = 0; r < kC * 16 / kBwdThreads; ++r) {
-      int const i = tid + kBwdThreads * r, t = i >> 4, u = 4 * (i & 15);
-      cp_async16(dAqk_sm + t * kLdF + u, p.dAqk + (t < L ? ((t0 + t) * HV + hv) * kC + u : 0), t < L);
-    }
-    cp_async_commit();
-  }
   // 9. Y = bf16(X Akk) in do's place, dA_out = -M(bA Y)
   bf16* const Y = sm.dout;
   float y[kNT64][4];
@@ -355,16 +335,13 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
       bool const in = t < L;
       float2 const d = make_float2(in && s < t ? -y[nt][2 * hi] : 0.f, in && s + 1 < t ? -y[nt][2 * hi + 1] : 0.f);
       if constexpr (kIntra) {
-        *reinterpret_cast<float2*>(dAkk_sm + t * kLdF + s) = d;
+        put_split_pair(dAkk_sm, t, s, d.x, d.y);
       } else if (in) {
         *reinterpret_cast<float2*>(p.dA + ((t0 + t) * HV + hv) * kC + s) = d;
       }
     }
   if constexpr (kIntra) {
     // 10. the intra-chunk step on q, k, g, beta (still in shared memory), dAqk and dA_out
-    cp_async_wait_all();
-    __syncthreads();
-    split_dA(dAqk_sm, dAkk_sm, tid, kBwdThreads);
     __syncthreads();
     IntraTiles const tl{sm.g, sm.q, sm.k, sm.beta, dAqk_sm, dAkk_sm};
     int const I = w & 3;

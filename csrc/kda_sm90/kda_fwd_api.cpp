@@ -411,7 +411,7 @@ void kda_bwd_wy_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::ha
                     py::handle beta_obj, py::handle A_obj, py::handle h_obj, py::handle do_obj, py::handle dh_obj,
                     py::handle dv_obj, py::handle dq_obj, py::handle dk_obj, py::handle dv2_obj, py::handle dg_obj,
                     py::handle db_obj, py::handle dA_obj, double scale, bool state_v_first, py::handle cu_obj,
-                    py::handle chunk_indices_obj, py::handle dAqk_obj, double gate_shift, py::handle q_rstd_obj,
+                    py::handle chunk_indices_obj, bool intra, double gate_shift, py::handle q_rstd_obj,
                     py::handle k_rstd_obj, py::handle dqx_obj, py::handle dkx_obj) {
   TensorArg q = tensor_arg(q_obj, "q"), k = tensor_arg(k_obj, "k"), v = tensor_arg(v_obj, "v");
   HeadDims const d = expect_qk_and_heads(q, k, v, {dtype::kBFloat16});
@@ -451,16 +451,13 @@ void kda_bwd_wy_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::ha
   TensorArg const dv2 = value_rows(dv2_obj, "dv2", dtype::kBFloat16), dg = value_rows(dg_obj, "dg", dtype::kFloat32);
   TensorArg db = tensor_arg(db_obj, "db");
   expect_tensor(db, {dtype::kFloat32}, {B, T, HV}, "(B, T, HV)", &q);
-  bool const fused = !dAqk_obj.is_none();  // the intra step in the same kernel: dAqk in, no dA out
-  if (fused) {
-    if (!dA_obj.is_none()) throw py::value_error("kda_bwd_wy: dA must be None when dAqk is given (not written)");
+  if (intra) {  // the intra step in the same kernel (dAqk made there), no dA out
+    if (!dA_obj.is_none()) throw py::value_error("kda_bwd_wy: dA must be None with intra=True (not written)");
     if (!(gate_shift > 0.0 && gate_shift <= 16.6)) {
-      throw py::value_error("kda_bwd_wy: with dAqk, gate_shift must be in (0, 16.6] (safe_gate with -11.5 <= "
+      throw py::value_error("kda_bwd_wy: with intra=True, gate_shift must be in (0, 16.6] (safe_gate with -11.5 <= "
                             "lower_bound < 0), got " + std::to_string(gate_shift));
     }
-    TensorArg dAqk = tensor_arg(dAqk_obj, "dAqk");
-    expect_tensor(dAqk, {dtype::kFloat32}, {B, T, HV, kChunk}, "(B, T, HV, 64)", &q, 16);
-    p.dAqk = dAqk.ptr<float>();
+    p.intra = true;
     p.gate_shift = static_cast<float>(gate_shift);
   } else {
     TensorArg dA = tensor_arg(dA_obj, "dA");
@@ -471,7 +468,7 @@ void kda_bwd_wy_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::ha
                     int(!dkx_obj.is_none());
   if (given != 0) {  // the l2norm backward fused too
     if (given != 4) throw py::value_error("kda_bwd_wy: q_rstd, k_rstd, dqx, dkx: all four or none");
-    if (!fused) throw py::value_error("kda_bwd_wy: the fused l2norm backward needs dAqk (the intra step fused)");
+    if (!intra) throw py::value_error("kda_bwd_wy: the fused l2norm backward needs intra=True (the intra step fused)");
     if (H != HV) {
       throw py::value_error("kda_bwd_wy: the fused l2norm backward needs H == HV, got H=" + std::to_string(H) +
                             ", HV=" + std::to_string(HV));
@@ -504,6 +501,36 @@ void kda_bwd_wy_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::ha
   p.stream = current_stream(q.device);
   py::gil_scoped_release release;
   run_kda_bwd_wy(p);
+}
+
+void kda_bwd_dv_api(py::handle Aqk_obj, py::handle do_obj, py::handle dv_obj, py::handle cu_obj,
+                    py::handle chunk_indices_obj) {
+  TensorArg dout = tensor_arg(do_obj, "do");
+  expect_dtype(dout, {dtype::kBFloat16});
+  expect_ndim(dout, 4);
+  if (dout.size(3) != kHeadDim) throw py::value_error("do: expected shape (B, T, HV, 128), got " + dout.shape_str());
+  expect_contiguous(dout);
+  expect_aligned(dout, 16);
+  expect_cuda(dout);
+  int64_t const B = dout.size(0), T = dout.size(1), HV = dout.size(2);
+  TensorArg Aqk = tensor_arg(Aqk_obj, "Aqk"), dv = tensor_arg(dv_obj, "dv");
+  expect_tensor(Aqk, {dtype::kBFloat16}, {B, T, HV, kChunk}, "(B, T, HV, 64) as do", &dout, 16);
+  expect_tensor(dv, {dtype::kBFloat16}, {B, T, HV, kHeadDim}, "(B, T, HV, 128) as do", &dout, 16);
+  KdaBwdDvParams p{};
+  int64_t const chunks = expect_chunk_list(cu_obj, chunk_indices_obj, dout, {B, T, HV, HV}, &p.cu_seqlens,
+                                           &p.cu_seqlens_int64, &p.chunk_indices, &p.chunk_indices_int64);
+  if (chunks * HV >= (int64_t(1) << 31)) throw py::value_error("kda_bwd_dv: too many (chunk, value head) pairs");
+  p.Aqk = Aqk.data;
+  p.dout = dout.data;
+  p.dv = dv.data;
+  p.B = static_cast<int>(B);
+  p.T = static_cast<int>(T);
+  p.HV = static_cast<int>(HV);
+  p.chunks = static_cast<int>(chunks);
+  p.device = dout.device.device_id;
+  p.stream = current_stream(dout.device);
+  py::gil_scoped_release release;
+  run_kda_bwd_dv(p);
 }
 
 void kda_bwd_intra_api(py::handle q_obj, py::handle k_obj, py::handle g_obj, py::handle beta_obj, py::handle dAqk_obj,
@@ -624,6 +651,13 @@ void register_kda_fwd(py::module_& m) {
         "per-chunk partial sums whose sums over the chunks are dA_log's and dt_bias's gradients. Varlen as\n"
         "kda_bwd_wy. All contiguous.\n"
         "TypeError / ValueError before any CUDA call, RuntimeError for CUDA errors.");
+  m.def("kda_bwd_dv", &kda_bwd_dv_api, py::arg("Aqk"), py::arg("do"), py::arg("dv"),
+        py::arg("cu_seqlens") = py::none(), py::arg("chunk_indices") = py::none(),
+        "Enqueue kda_bwd_dv (csrc/kda_sm90/kda_bwd.h) on the current stream of do's device: the dv half of FLA\n"
+        "0.6.0's chunk_kda_bwd_dAv, dv = M(Aqk)^T do per chunk (M: on and below the diagonal, rows of the sequence).\n"
+        "bf16 Aqk [B,T,HV,64] (the forward's, entries above the diagonal not read), do [B,T,HV,128]; writes bf16 dv\n"
+        "[B,T,HV,128] on the sequences' rows. Varlen as kda_bwd_wy. All contiguous. TypeError / ValueError before\n"
+        "any CUDA call, RuntimeError for CUDA errors.");
   m.def("kda_bwd_intra", &kda_bwd_intra_api, py::arg("q"), py::arg("k"), py::arg("g"), py::arg("beta"),
         py::arg("dAqk"), py::arg("dAkk"), py::arg("dq"), py::arg("dk"), py::arg("dg"), py::arg("db"),
         py::arg("dq_out"), py::arg("dk_out"), py::arg("dg_out"), py::arg("db_out"), py::arg("gate_shift"),
@@ -638,14 +672,15 @@ void register_kda_fwd(py::module_& m) {
         py::arg("beta"), py::arg("A"), py::arg("h"), py::arg("do"), py::arg("dh"), py::arg("dv"), py::arg("dq"),
         py::arg("dk"), py::arg("dv2"), py::arg("dg"), py::arg("db"), py::arg("dA"), py::arg("scale"),
         py::arg("state_v_first"), py::arg("cu_seqlens") = py::none(), py::arg("chunk_indices") = py::none(),
-        py::arg("dAqk") = py::none(), py::arg("gate_shift") = 0.0, py::arg("q_rstd") = py::none(),
+        py::arg("intra") = false, py::arg("gate_shift") = 0.0, py::arg("q_rstd") = py::none(),
         py::arg("k_rstd") = py::none(), py::arg("dqx") = py::none(), py::arg("dkx") = py::none(),
         "Enqueue kda_bwd_wy (csrc/kda_sm90/kda_bwd.h) on the current stream of q's device: FLA 0.6.0's\n"
         "chunk_kda_bwd_wy_dqkg_fused. bf16 q, k [B,T,H,128], v, v_new, do, dv [B,T,HV,128], A (Akk) [B,T,HV,64],\n"
         "h, dh [B, NT, HV, 128, 128] (V-first with state_v_first); fp32 g [B,T,HV,128], beta [B,T,HV]. Writes fp32\n"
         "dq, dk, dg [B,T,HV,128], db [B,T,HV], dA [B,T,HV,64] and bf16 dv2 [B,T,HV,128] on the sequences' rows.\n"
-        "With fp32 dAqk [B,T,HV,64] and gate_shift = -lower_bound / ln 2 (safe_gate): chunk_kda_bwd_intra fused in,\n"
-        "dq, dk, dg, db include its terms, dA must be None (not written). With H == HV, fp32 q_rstd, k_rstd [B,T,H]\n"
+        "With intra=True and gate_shift = -lower_bound / ln 2 (safe_gate): chunk_kda_bwd_intra fused in, its dAqk =\n"
+        "scale M(do v_new^T) (chunk_kda_bwd_dAv's) made in the kernel; dq, dk, dg, db include its terms, dA must be\n"
+        "None (not written). With H == HV, fp32 q_rstd, k_rstd [B,T,H]\n"
         "and bf16 dqx, dkx [B,T,H,128] as well (q, k the l2-normalized ones): FLA's l2norm_bwd fused, dqx, dkx =\n"
         "rstd (dy - y (y . dy)) of the final dq, dk.\n"
         "Varlen: B = 1, cu_seqlens [N+1] and chunk_indices [chunks, 2] (FLA's prepare_chunk_indices), int32/int64.\n"

@@ -7,9 +7,10 @@ sub-chunk gradients (``chunk_kda_bwd_intra``); the GVA reductions; dg's reverse 
 fla_cula replaces the chunk-local gradients with ``_C.kda_bwd_wy`` (csrc/kda_sm90/kda_bwd_wy_kernel.cuh: the same
 math and rounding points; route ``chunk_kda_bwd_wy``) and the intra sub-chunk gradients with ``_C.kda_bwd_intra``
 (kda_bwd_intra_kernel.cuh; route ``chunk_kda_bwd_intra``), fuses the two and FLA's l2norm backward where it can
-(route ``chunk_kda_bwd_l2norm``), and runs dg's reverse cumsum and the gate backward as ``_C.kda_bwd_gate``
-(kda_bwd_gate_kernel.cuh; route ``chunk_kda_bwd_gate``) wherever they apply (docs/kda_bwd_sm90.md); every other step
-is FLA's function.
+(route ``chunk_kda_bwd_l2norm``) and, with them fused, makes dAqk in that kernel and dv alone as
+``_C.kda_bwd_dv`` (kda_bwd_dv_kernel.cuh; route ``chunk_kda_bwd_dv``) in place of ``chunk_kda_bwd_dAv``, and runs
+dg's reverse cumsum and the gate backward as ``_C.kda_bwd_gate`` (kda_bwd_gate_kernel.cuh; route
+``chunk_kda_bwd_gate``) wherever they apply (docs/kda_bwd_sm90.md); every other step is FLA's function.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ OP_WY = "chunk_kda_bwd_wy"
 OP_INTRA = "chunk_kda_bwd_intra"
 OP_L2NORM = "chunk_kda_bwd_l2norm"
 OP_GATE = "chunk_kda_bwd_gate"
+OP_DV = "chunk_kda_bwd_dv"
 FLA_CHUNK_KDA_BWD_WY = chunk_kda_bwd_wy_dqkg_fused
 FLA_CHUNK_KDA_BWD_INTRA = chunk_kda_bwd_intra
 # False: FLA's Triton kernels for these steps whatever the inputs. FLA_CULA_STAND_IN=1 turns both off too: the
@@ -45,6 +47,9 @@ FUSED_INTRA = True
 # True: with the intra step fused, H == HV and q, k l2-normalized in kernel, FLA's l2norm_bwd of q and k runs in the
 # same kernel too (dq, dk leave in bf16 w.r.t. the raw q, k); False: FLA's l2norm_bwd after chunk_kda_bwd's steps.
 FUSED_L2NORM = True
+# With the intra step fused (whose kernel makes dAqk itself): True: dv alone by _C.kda_bwd_dv; False: FLA's
+# chunk_kda_bwd_dAv for dv (its dAqk unused).
+DV_KERNEL = True
 # False: FLA's chunk_local_cumsum(dg, reverse) and kda_gate_bwd; True: _C.kda_bwd_gate (both in one pass) where the
 # gate is computed in kernel with lower_bound.
 GATE_KERNEL = True
@@ -76,10 +81,12 @@ def wy_reason(q, k, v, v_new, g, beta, A, h, do, dh, dv, chunk_size: int) -> str
 
 
 def bwd_wy(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_first, cu_seqlens, chunk_size, chunk_indices,
-           chunk_offsets, dAqk=None, lower_bound=None, q_rstd=None, k_rstd=None):
-    """FLA's chunk_kda_bwd_wy_dqkg_fused (same arguments and results): -> dq, dk, dv, db, dg, dA. With dAqk (and
-    the gate's lower_bound) where our kernel runs: chunk_kda_bwd_intra fused in, dq, dk, db, dg final and dA None;
-    with q_rstd, k_rstd too (H == HV): FLA's l2norm_bwd fused as well, dq, dk then bf16 w.r.t. the raw q, k."""
+           chunk_offsets, intra=False, lower_bound=None, q_rstd=None, k_rstd=None):
+    """FLA's chunk_kda_bwd_wy_dqkg_fused (same arguments and results): -> dq, dk, dv, db, dg, dA. With intra (and
+    the gate's lower_bound) where our kernel runs: chunk_kda_bwd_intra fused in (its dAqk, chunk_kda_bwd_dAv's, made
+    from do and v_new in the kernel), dq, dk, db, dg final and dA None; with q_rstd, k_rstd too (H == HV): FLA's
+    l2norm_bwd fused as well, dq, dk then bf16 w.r.t. the raw q, k. Where FLA's kernel runs instead, dA is Akk's
+    gradient whatever intra says."""
     use = WY_KERNEL and routing.enabled() and not routing.stand_in()
     reason = wy_reason(q, k, v, v_new, g, beta, A, h, do, dh, dv, chunk_size) if use else None
     if not use or reason is not None:
@@ -96,20 +103,60 @@ def bwd_wy(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_first, cu_s
     dv2 = torch.empty_like(v)
     dg = torch.empty_like(g, dtype=torch.float)
     db = torch.empty_like(beta, dtype=torch.float)
-    dA = None if dAqk is not None else torch.empty_like(A, dtype=torch.float)
-    l2 = dAqk is not None and q_rstd is not None
+    dA = None if intra else torch.empty_like(A, dtype=torch.float)
+    l2 = intra and q_rstd is not None
     dqx, dkx = (torch.empty_like(q), torch.empty_like(k)) if l2 else (None, None)
     _ext.require().kda_bwd_wy(q, k, v, v_new, g, beta, A, h, do, dh, dv, dq, dk, dv2, dg, db, dA,
                               K ** -0.5 if scale is None else scale, state_v_first, cu_seqlens, chunk_indices,
-                              dAqk, 0.0 if dAqk is None else -lower_bound * RCP_LN2, q_rstd if l2 else None,
+                              intra, -lower_bound * RCP_LN2 if intra else 0.0, q_rstd if l2 else None,
                               k_rstd if l2 else None, dqx, dkx)
     routing.record_kernel(OP_WY)
-    if dAqk is not None:
+    if intra:
         routing.record_kernel(OP_INTRA)
     if l2:
         routing.record_kernel(OP_L2NORM)
         return dqx, dkx, dv2, db, dg, dA
     return dq, dk, dv2, db, dg, dA
+
+
+def dv_reason(Aqk, do, chunk_size: int) -> str | None:
+    """Why kda_bwd_dv cannot take these tensors (None: it can)."""
+    ok, why = _ext.available()
+    if not ok:
+        return why
+    r = routing.device_reason(Aqk, do)
+    if r is not None:
+        return r
+    if chunk_size != 64:
+        return f"chunk_size={chunk_size}: the kernel takes 64"
+    if do.shape[-1] != 128 or Aqk.shape != (*do.shape[:3], 64):
+        return (f"do of shape {tuple(do.shape)}, Aqk {tuple(Aqk.shape)}: the kernel takes [B, T, HV, 128], "
+                "[B, T, HV, 64]")
+    for name, t in (("Aqk", Aqk), ("do", do)):
+        if t.dtype != torch.bfloat16:
+            return f"{name} is {t.dtype}: the kernel takes torch.bfloat16"
+        if not t.is_contiguous():
+            return f"{name} is not contiguous"
+        if t.data_ptr() % 16:
+            return f"{name} is not 16-byte aligned"
+    return None
+
+
+def bwd_dv(q, k, v_new, do, Aqk, scale, cu_seqlens, chunk_indices, chunk_size):
+    """The dv of FLA's chunk_kda_bwd_dAv (dv = M(Aqk)^T do per chunk), for the fused form whose kernel makes dAqk:
+    ours where it applies, else FLA's function (its dAqk unused)."""
+    reason = dv_reason(Aqk, do, chunk_size) if DV_KERNEL else None
+    if not DV_KERNEL or reason is not None:
+        if reason is not None:
+            routing.record_fallback(OP_DV, reason)
+        return chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu_seqlens,
+                                 chunk_size=chunk_size, chunk_indices=chunk_indices)[1]
+    if cu_seqlens is not None and chunk_indices is None:
+        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
+    dv = torch.empty_like(do)
+    _ext.require().kda_bwd_dv(Aqk, do, dv, cu_seqlens, chunk_indices)
+    routing.record_kernel(OP_DV)
+    return dv
 
 
 def intra_reason(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size: int, safe_gate: bool,
@@ -243,21 +290,28 @@ def chunk_kda_bwd(q, k, v, beta, Aqk, Akk, scale, initial_state, do, dht, g=None
                                                    output_final_state=False, cu_seqlens=cu_seqlens,
                                                    chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,
                                                    chunk_size=chunk_size, state_v_first=state_v_first)
-    dAqk, dv = chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu_seqlens,
-                                 chunk_size=chunk_size, chunk_indices=chunk_indices)
+    # the intra step fused into kda_bwd_wy's kernel, which makes dAqk itself: dv alone here
+    fuse = (FUSED_INTRA and INTRA_KERNEL and routing.enabled() and not routing.stand_in()
+            and intra_reason(q, k, g, beta, None, None, None, None, None, None, chunk_size, safe_gate,
+                             lower_bound, use_gate_in_kernel) is None)
+    if fuse:
+        dAqk, dv = None, bwd_dv(q, k, v_new, do, Aqk, scale, cu_seqlens, chunk_indices, chunk_size)
+    else:
+        dAqk, dv = chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu_seqlens,
+                                     chunk_size=chunk_size, chunk_indices=chunk_indices)
     dh, dh0, dv = chunk_gated_delta_rule_bwd_dhu(q=qg, k=kg, w=w, gk=g, h0=initial_state, dht=dht, do=do, dv=dv,
                                                  scale=scale, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                                                  chunk_indices=chunk_indices, chunk_offsets=chunk_offsets,
                                                  state_v_first=state_v_first)
-    fuse = (FUSED_INTRA and INTRA_KERNEL and routing.enabled() and not routing.stand_in()
-            and intra_reason(q, k, g, beta, dAqk, None, None, None, None, None, chunk_size, safe_gate,
-                             lower_bound, use_gate_in_kernel) is None)
     l2 = fuse and FUSED_L2NORM and q_rstd is not None and HV == H
     dq, dk, dv, db, dg, dAkk = bwd_wy(q, k, v, v_new, g, beta, Akk, h, do, dh, dv, scale, state_v_first, cu_seqlens,
-                                      chunk_size, chunk_indices, chunk_offsets, dAqk=dAqk if fuse else None,
+                                      chunk_size, chunk_indices, chunk_offsets, intra=fuse,
                                       lower_bound=lower_bound, q_rstd=q_rstd if l2 else None,
                                       k_rstd=k_rstd if l2 else None)
     if dAkk is not None:  # not fused (or FLA's wy ran): the intra step on its own
+        if dAqk is None:  # fused form planned, FLA's wy ran: dAqk from FLA's function
+            dAqk = chunk_kda_bwd_dAv(q=q, k=k, v=v_new, do=do, A=Aqk, scale=scale, cu_seqlens=cu_seqlens,
+                                     chunk_size=chunk_size, chunk_indices=chunk_indices)[0]
         dq, dk, db, dg = bwd_intra(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens, chunk_indices, chunk_size,
                                    safe_gate, lower_bound, use_gate_in_kernel)
     if HV > H:  # GVA: dq, dk back from value heads to heads

@@ -487,6 +487,31 @@ def bwd_wy_reference(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale: float, st
     return out
 
 
+def bwd_dAv_reference(v_new, do, Aqk=None, scale: float = 1.0, cu_seqlens: torch.Tensor | None = None,
+                      chunk: int = 64) -> dict[str, torch.Tensor]:
+    """fp64 model of FLA 0.6.0's chunk_kda_bwd_dAv per chunk: dAqk[t][s] = scale sum_v do[t][v] v_new[s][v] for
+    s <= t, and dv[s] = sum_{t >= s} Aqk[t][s] do[t] (Aqk read on and below the diagonal only; the bf16 inputs
+    exact in fp64). Layouts: v_new, do [B,T,HV,V]; Aqk [B,T,HV,chunk] (row t of its chunk, column s); varlen: B = 1
+    and cu_seqlens. Returns dAqk [B,T,HV,chunk] and, with Aqk, dv [B,T,HV,V] (fp64; rows past a sequence's end
+    zero)."""
+    f64 = torch.float64
+    B, T, HV, V = do.shape
+    seqs = ([(b, 0, T) for b in range(B)] if cu_seqlens is None else
+            [(0, int(cu_seqlens[i]), int(cu_seqlens[i + 1])) for i in range(cu_seqlens.numel() - 1)])
+    out = {"dAqk": torch.zeros(B, T, HV, chunk, dtype=f64), "dv": torch.zeros(B, T, HV, V, dtype=f64)}
+    for b, bos, eos in seqs:
+        for t0 in range(bos, eos, chunk):
+            L = min(chunk, eos - t0)
+            rows = slice(t0, t0 + L)
+            M = torch.tril(torch.ones(L, L, dtype=torch.bool))
+            doc, vn = do[b, rows].to(f64).transpose(0, 1), v_new[b, rows].to(f64).transpose(0, 1)  # [HV, L, V]
+            out["dAqk"][b, rows, :, :L] = torch.where(M, scale * doc @ vn.transpose(1, 2), 0.0).transpose(0, 1)
+            if Aqk is not None:
+                A = torch.where(M, Aqk[b, rows, :, :L].to(f64).transpose(0, 1), 0.0)  # [HV, t, s]
+                out["dv"][b, rows] = (A.transpose(1, 2) @ doc).transpose(0, 1)
+    return out
+
+
 def bwd_intra_reference(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens: torch.Tensor | None = None,
                         chunk: int = 64) -> dict[str, torch.Tensor]:
     """fp64 model of FLA 0.6.0's chunk_kda_bwd_intra (the gradients through Aqk[t][s] = sum_c q_tc k_sc

@@ -13,8 +13,8 @@ from fla_cula import _ext
 from fla_cula.ops import kda as ops_kda
 from fla_cula.ops import kda_bwd
 from fla_cula.reference.compare import rel_rms
-from fla_cula.reference.kda import bwd_intra_reference, bwd_wy_reference
-from tests.test_kda_bwd_compile import LOWER_BOUND, bwd_intra_inputs, bwd_wy_inputs, chunk_indices_of
+from fla_cula.reference.kda import bwd_dAv_reference, bwd_intra_reference, bwd_wy_reference
+from tests.test_kda_bwd_compile import LOWER_BOUND, bwd_dv_inputs, bwd_intra_inputs, bwd_wy_inputs, chunk_indices_of
 
 CASES = {
     "B1-T100-vfirst": dict(B=1, T=100, H=1, HV=1),
@@ -112,6 +112,7 @@ def test_training_step_runs_the_kernel_strict(strict_mode, monkeypatch):
             assert st.get(kda_bwd.OP_WY, {}).get("kernel", 0) == 1, st
             assert st.get(kda_bwd.OP_INTRA, {}).get("kernel", 0) == 1, st
             assert st.get(kda_bwd.OP_GATE, {}).get("kernel", 0) == 1, st
+            assert st.get(kda_bwd.OP_DV, {}).get("kernel", 0) == 1, st
     for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads["fla"], grads["cula"], strict=True):
         assert rel_rms(b.double(), a.double()) < 2e-2, f"{n}: rel RMS vs FLA {rel_rms(b.double(), a.double()):.2e}"
 
@@ -157,9 +158,10 @@ def test_bwd_intra_against_fp64_and_fla(case):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bwd_wy_fused_intra_against_fp64_and_fla(case):
-    """kda_bwd_wy with dAqk (chunk_kda_bwd_intra fused in) against FLA's two kernels in sequence and the two fp64
-    models composed the same way (each within 1.5x of FLA's error, plus an fp32 floor), and against our own two
-    kernels in sequence (plain kda_bwd_wy, then kda_bwd_intra): the same values up to summation order."""
+    """kda_bwd_wy with intra (chunk_kda_bwd_intra fused in, its dAqk made in the kernel) against FLA's three
+    kernels in sequence (chunk_kda_bwd_dAv's dAqk, wy, intra) and the fp64 models composed the same way (each within
+    1.5x of FLA's error, plus an fp32 floor), and against our own two kernels in sequence (plain kda_bwd_wy, then
+    kda_bwd_intra on FLA's dAqk): the same values up to summation order."""
     import math
 
     kw = dict(CASES[case])
@@ -167,9 +169,11 @@ def test_bwd_wy_fused_intra_against_fp64_and_fla(case):
     x = _cuda(bwd_wy_inputs(**kw, seed=9))
     B, T, H, _ = x["q"].shape
     HV = x["v"].shape[2]
-    dAqk = _cuda(bwd_intra_inputs(B=B, T=T, H=H, HV=HV, lens=lens, seed=9))["dAqk"]
     ci = None if lens is None else chunk_indices_of(lens).cuda()
     cu, shift, C = x["cu_seqlens"], -LOWER_BOUND / math.log(2), _ext.require()
+    ck = None if ci is None else ci.long()
+    dAqk = kda_bwd.chunk_kda_bwd_dAv(q=x["q"], k=x["k"], v=x["v_new"], do=x["do"], A=x["A"], scale=128 ** -0.5,
+                                     cu_seqlens=cu, chunk_indices=ck)[0]
     args = [x[n] for n in ("q", "k", "v", "v_new", "g", "beta", "A", "h", "do", "dh", "dv")]
 
     def outputs():
@@ -179,17 +183,17 @@ def test_bwd_wy_fused_intra_against_fp64_and_fla(case):
         return o
 
     fused, plain = outputs(), outputs()
-    before = dAqk.clone()
+    before = {n: t.clone() for n, t in x.items() if isinstance(t, torch.Tensor)}
     C.kda_bwd_wy(*args, fused["dq"], fused["dk"], fused["dv2"], fused["dg"], fused["db"], None, 128 ** -0.5,
-                 x["state_v_first"], cu, ci, dAqk, shift)
+                 x["state_v_first"], cu, ci, True, shift)
     dA = torch.full((B, T, HV, 64), float("nan"), device="cuda")
     C.kda_bwd_wy(*args, plain["dq"], plain["dk"], plain["dv2"], plain["dg"], plain["db"], dA, 128 ** -0.5,
                  x["state_v_first"], cu, ci)
     C.kda_bwd_intra(x["q"], x["k"], x["g"], x["beta"], dAqk, dA, plain["dq"], plain["dk"], plain["dg"], plain["db"],
                     plain["dq"], plain["dk"], plain["dg"], plain["db"], shift, cu, ci)
     torch.cuda.synchronize()
-    assert torch.equal(before, dAqk), "dAqk modified"
-    ck = None if ci is None else ci.long()
+    for n, t in before.items():
+        assert torch.equal(t, x[n]), f"input {n} modified"
     f = kda_bwd.FLA_CHUNK_KDA_BWD_WY(q=x["q"], k=x["k"], v=x["v"], v_new=x["v_new"], g=x["g"], beta=x["beta"],
                                      A=x["A"], h=x["h"], do=x["do"], dh=x["dh"], dv=x["dv"], scale=128 ** -0.5,
                                      state_v_first=x["state_v_first"], cu_seqlens=cu, chunk_indices=ck)
@@ -200,7 +204,8 @@ def test_bwd_wy_fused_intra_against_fp64_and_fla(case):
     cpu = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
     wy = bwd_wy_reference(cpu["q"], cpu["k"], cpu["v"], cpu["v_new"], cpu["g"], cpu["beta"], cpu["A"], cpu["h"],
                           cpu["do"], cpu["dh"], cpu["dv"], 128 ** -0.5, cpu["state_v_first"], cpu["cu_seqlens"])
-    ref = bwd_intra_reference(cpu["q"], cpu["k"], cpu["g"], cpu["beta"], dAqk.cpu(), wy["dA"], wy["dq"], wy["dk"],
+    dAqk64 = bwd_dAv_reference(cpu["v_new"], cpu["do"], scale=128 ** -0.5, cu_seqlens=cpu["cu_seqlens"])["dAqk"]
+    ref = bwd_intra_reference(cpu["q"], cpu["k"], cpu["g"], cpu["beta"], dAqk64, wy["dA"], wy["dq"], wy["dk"],
                               wy["db"], wy["dg"], cpu["cu_seqlens"])
     ref["dv2"] = wy["dv2"]
     report = []
@@ -220,19 +225,19 @@ def test_bwd_wy_fused_rejects_bad_arguments():
     o = {n: torch.empty(1, 64, 1, 128, device="cuda") for n in ("dq", "dk", "dg")}
     args = [x["q"], x["k"], x["v"], x["v_new"], x["g"], x["beta"], x["A"], x["h"], x["do"], x["dh"], x["dv"],
             o["dq"], o["dk"], torch.empty_like(x["v"]), o["dg"], torch.empty(1, 64, 1, device="cuda")]
-    dAqk, dA = torch.zeros(1, 64, 1, 64, device="cuda"), torch.empty(1, 64, 1, 64, device="cuda")
+    dA = torch.empty(1, 64, 1, 64, device="cuda")
     C = _ext.require()
     with pytest.raises(ValueError, match="dA must be None"):
-        C.kda_bwd_wy(*args, dA, 1.0, True, None, None, dAqk, 7.0)
+        C.kda_bwd_wy(*args, dA, 1.0, True, None, None, True, 7.0)
     with pytest.raises(ValueError, match="gate_shift"):
-        C.kda_bwd_wy(*args, None, 1.0, True, None, None, dAqk, 20.0)
-    with pytest.raises(ValueError, match="dAqk"):
-        C.kda_bwd_wy(*args, None, 1.0, True, None, None, dAqk[:, :, :, :32].contiguous(), 7.0)
+        C.kda_bwd_wy(*args, None, 1.0, True, None, None, True, 20.0)
+    with pytest.raises(TypeError):  # intra is a bool (the dAqk tensor argument of API 10 is gone)
+        C.kda_bwd_wy(*args, None, 1.0, True, None, None, torch.zeros(1, 64, 1, 64, device="cuda"), 7.0)
 
 
 @pytest.mark.parametrize("case", ["B1-T100-vfirst", "B1-T4096-H4-vfirst"])
 def test_bwd_wy_fused_l2norm_matches_fla_l2norm_bwd(case):
-    """kda_bwd_wy with dAqk, q_rstd, k_rstd (H == HV): dqx, dkx against FLA's l2norm_bwd applied to the same call's
+    """kda_bwd_wy with intra, q_rstd, k_rstd (H == HV): dqx, dkx against FLA's l2norm_bwd applied to the same call's
     final dq, dk (which the kernel still writes), within bf16's rounding; dg, db, dv2 as without it."""
     import math
 
@@ -241,7 +246,6 @@ def test_bwd_wy_fused_l2norm_matches_fla_l2norm_bwd(case):
     kw = dict(CASES[case])
     x = _cuda(bwd_wy_inputs(**kw, seed=13))
     B, T, H, _ = x["q"].shape
-    dAqk = _cuda(bwd_intra_inputs(B=B, T=T, H=H, HV=H, seed=13))["dAqk"]
     rstd = [torch.rand(B, T, H, device="cuda") + 0.5 for _ in range(2)]
     args = [x[n] for n in ("q", "k", "v", "v_new", "g", "beta", "A", "h", "do", "dh", "dv")]
     C, shift = _ext.require(), -LOWER_BOUND / math.log(2)
@@ -253,7 +257,7 @@ def test_bwd_wy_fused_l2norm_matches_fla_l2norm_bwd(case):
         o["dqx"], o["dkx"] = (torch.full_like(x["q"], float("nan")) for _ in range(2))
         extra = (rstd[0], rstd[1], o["dqx"], o["dkx"]) if l2 else (None, None, None, None)
         C.kda_bwd_wy(*args, o["dq"], o["dk"], o["dv2"], o["dg"], o["db"], None, 128 ** -0.5, x["state_v_first"],
-                     None, None, dAqk, shift, *extra)
+                     None, None, True, shift, *extra)
         outs.append(o)
     torch.cuda.synchronize()
     base, got = outs
@@ -277,7 +281,6 @@ def test_bwd_wy_same_bits_every_run(form):
     x = _cuda(bwd_wy_inputs(**kw, seed=21))
     B, T, H, _ = x["q"].shape
     HV = x["v"].shape[2]
-    dAqk = _cuda(bwd_intra_inputs(B=B, T=T, H=H, HV=HV, seed=21))["dAqk"] if form != "plain" else None
     rstd = [torch.rand(B, T, H, device="cuda") + 0.5 for _ in range(2)]
     args = [x[n] for n in ("q", "k", "v", "v_new", "g", "beta", "A", "h", "do", "dh", "dv")]
     C, shift = _ext.require(), -LOWER_BOUND / math.log(2)
@@ -290,7 +293,7 @@ def test_bwd_wy_same_bits_every_run(form):
             o["dA"] = torch.full((B, T, HV, 64), float("nan"), device="cuda")
             tail = (o["dA"], 128 ** -0.5, x["state_v_first"], None, None)
         else:
-            tail = (None, 128 ** -0.5, x["state_v_first"], None, None, dAqk, shift)
+            tail = (None, 128 ** -0.5, x["state_v_first"], None, None, True, shift)
         if form == "fused-l2norm":
             o["dqx"], o["dkx"] = (torch.full_like(x["q"], float("nan")) for _ in range(2))
             tail += (rstd[0], rstd[1], o["dqx"], o["dkx"])
@@ -301,6 +304,53 @@ def test_bwd_wy_same_bits_every_run(form):
         assert not t.isnan().any(), f"{form}: {n} has unwritten entries"
         for r in runs[1:]:
             assert torch.equal(t, r[n]), f"{form}: {n} differs between runs (max |diff| {(t - r[n]).abs().max()})"
+
+
+DV_GPU_CASES = {
+    "B1-T100": dict(B=1, T=100, HV=1),
+    "B2-T1000-HV4": dict(B=2, T=1000, HV=4),
+    "varlen-5seq": dict(B=1, T=1100, HV=2, lens=[1, 63, 64, 65, 907]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DV_GPU_CASES))
+def test_bwd_dv_against_fp64_and_fla(case):
+    """kda_bwd_dv against the fp64 model and FLA's chunk_kda_bwd_dAv's dv on the same inputs (Aqk NaN above the
+    diagonal: not read; dv NaN-poisoned: every row written), within 1.5x FLA's error plus bf16's rounding; inputs
+    unchanged."""
+    kw = dict(DV_GPU_CASES[case])
+    lens = kw.get("lens")
+    x = _cuda(bwd_dv_inputs(**kw, seed=5))
+    B, T, HV = kw["B"], kw["T"], kw["HV"]
+    ci = None if lens is None else chunk_indices_of(lens).cuda()
+    before = {n: t.clone() for n, t in x.items() if isinstance(t, torch.Tensor)}
+    dv = torch.full((B, T, HV, 128), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _ext.require().kda_bwd_dv(x["Aqk"], x["do"], dv, x["cu_seqlens"], ci)
+    torch.cuda.synchronize()
+    for n, t in before.items():
+        assert torch.equal(t.nan_to_num(7.0), x[n].nan_to_num(7.0)), f"input {n} modified"
+    qk = torch.zeros(B, T, 1, 128, dtype=torch.bfloat16, device="cuda")  # FLA's kernel reads only their shapes
+    fla = kda_bwd.chunk_kda_bwd_dAv(q=qk, k=qk, v=x["do"], do=x["do"], A=x["Aqk"].nan_to_num(0.0), scale=1.0,
+                                    cu_seqlens=x["cu_seqlens"], chunk_indices=None if ci is None else ci.long())[1]
+    cpu = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
+    ref = bwd_dAv_reference(cpu["do"], cpu["do"], cpu["Aqk"], cu_seqlens=cpu["cu_seqlens"])["dv"]
+    o = dv.cpu().double()
+    assert not o.isnan().any(), f"dv: {int(o.isnan().sum())} entries unwritten (NaN) or masked entries read"
+    e_ours, e_fla = rel_rms(o, ref), rel_rms(fla.cpu().double(), ref)
+    assert e_ours <= 1.5 * e_fla + 4e-3, f"dv: rel RMS vs fp64 {e_ours:.2e}, FLA's {e_fla:.2e}"
+    print(f"  {case}: dv ours / FLA vs fp64: {e_ours:.2e}/{e_fla:.2e}")
+
+
+def test_bwd_dv_rejects_bad_arguments():
+    x = _cuda(bwd_dv_inputs(B=1, T=64, HV=1))
+    C = _ext.require()
+    dv = torch.empty_like(x["do"])
+    with pytest.raises(ValueError, match="Aqk"):
+        C.kda_bwd_dv(x["Aqk"][:, :, :, :32].contiguous(), x["do"], dv)
+    with pytest.raises(TypeError, match="do"):
+        C.kda_bwd_dv(x["Aqk"], x["do"].float(), dv)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        C.kda_bwd_dv(x["Aqk"], x["do"], dv, torch.tensor([0, 64], device="cuda", dtype=torch.int32), None)
 
 
 GATE_GPU_CASES = {
