@@ -41,12 +41,18 @@ void launch_kda_bwd_wy(KdaBwdWyParams const& p, dim3 grid, cudaStream_t stream) 
   }
 }
 
+// One CTA per (chunk, value head): the 1-D grid's size, checked to fit (x dimension < 2^31)
+int64_t pair_ctas(int chunks, int HV, char const* name) {
+  int64_t const ctas = int64_t(chunks) * HV;
+  FLA_CULA_REQUIRE(ctas < (int64_t(1) << 31),
+                   std::string(name) + ": too many (chunk, value head) pairs: " + std::to_string(ctas));
+  return ctas;
+}
+
 }  // namespace
 
 void run_kda_bwd_wy(KdaBwdWyParams const& p) {
-  int64_t const ctas = int64_t(p.chunks) * p.HV;
-  FLA_CULA_REQUIRE(ctas < (int64_t(1) << 31), "kda_bwd_wy: too many (chunk, value head) pairs: " +
-                                                  std::to_string(ctas));
+  int64_t const ctas = pair_ctas(p.chunks, p.HV, "kda_bwd_wy");
   if (ctas == 0) return;
   DeviceGuard guard(p.device);
   require_compute_capability(p.device, 9, 0, "kda_bwd_wy");
@@ -62,9 +68,7 @@ void run_kda_bwd_wy(KdaBwdWyParams const& p) {
 }
 
 void run_kda_bwd_dv(KdaBwdDvParams const& p) {
-  int64_t const ctas = int64_t(p.chunks) * p.HV;
-  FLA_CULA_REQUIRE(ctas < (int64_t(1) << 31), "kda_bwd_dv: too many (chunk, value head) pairs: " +
-                                                  std::to_string(ctas));
+  int64_t const ctas = pair_ctas(p.chunks, p.HV, "kda_bwd_dv");
   if (ctas == 0) return;
   DeviceGuard guard(p.device);
   require_compute_capability(p.device, 9, 0, "kda_bwd_dv");
@@ -74,9 +78,7 @@ void run_kda_bwd_dv(KdaBwdDvParams const& p) {
 }
 
 void run_kda_bwd_intra(KdaBwdIntraParams const& p) {
-  int64_t const ctas = int64_t(p.chunks) * p.HV;
-  FLA_CULA_REQUIRE(ctas < (int64_t(1) << 31), "kda_bwd_intra: too many (chunk, value head) pairs: " +
-                                                  std::to_string(ctas));
+  int64_t const ctas = pair_ctas(p.chunks, p.HV, "kda_bwd_intra");
   FLA_CULA_REQUIRE(p.gate_shift > 0.f && p.gate_shift <= 16.6f,
                    "kda_bwd_intra: gate_shift must be in (0, 16.6] (safe_gate with -11.5 <= lower_bound < 0), got " +
                        std::to_string(p.gate_shift));
@@ -91,9 +93,7 @@ void run_kda_bwd_intra(KdaBwdIntraParams const& p) {
 }
 
 void run_kda_bwd_gate(KdaBwdGateParams const& p) {
-  int64_t const ctas = int64_t(p.chunks) * p.HV;
-  FLA_CULA_REQUIRE(ctas < (int64_t(1) << 31), "kda_bwd_gate: too many (chunk, value head) pairs: " +
-                                                  std::to_string(ctas));
+  int64_t const ctas = pair_ctas(p.chunks, p.HV, "kda_bwd_gate");
   FLA_CULA_REQUIRE(p.lower_bound < 0.f, "kda_bwd_gate: lower_bound must be < 0, got " + std::to_string(p.lower_bound));
   if (ctas == 0) return;
   DeviceGuard guard(p.device);
