@@ -1,5 +1,5 @@
-// Launchers of kda_bwd_wy, kda_bwd_dv, kda_bwd_intra and kda_bwd_gate (their *_kernel.cuh): grid, shared memory, launch on the
-// caller's stream.
+// Launchers of kda_bwd_wy, kda_bwd_dv, kda_bwd_intra and kda_bwd_gate (their *_kernel.cuh): grid, shared memory,
+// launch on the caller's stream.
 #include <cuda_runtime_api.h>
 
 #include <string>

@@ -78,7 +78,9 @@ __global__ void __launch_bounds__(kDvThreads) kda_bwd_dv_kernel(__grid_constant_
 #pragma unroll
   for (int r = 0; r < kC * 16 / kDvThreads; ++r) {
     int const i = tid + kDvThreads * r, s = i >> 4, u = 8 * (i & 15);
-    if (s < L) *reinterpret_cast<uint4*>(dv + row(s) * kK + u) = *reinterpret_cast<uint4 const*>(sm.dout + s * kLdK + u);
+    if (s < L) {
+      *reinterpret_cast<uint4*>(dv + row(s) * kK + u) = *reinterpret_cast<uint4 const*>(sm.dout + s * kLdK + u);
+    }
   }
 }
 

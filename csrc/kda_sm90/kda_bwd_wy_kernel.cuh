@@ -21,11 +21,11 @@
 // kIntra: the intra-chunk step (kda_bwd_intra_block.cuh) follows in the same CTA: dAqk is made from do and v' (step
 // 8b, into dH's place) and dA_out stays in shared memory (H's place) instead of going out, both stored as the bf16
 // hi / lo pairs the intra products read (split_dA's layout); the step adds its terms to the dq, dk, dg, db this CTA
-// has just written (each entry re-read by the thread that wrote it). kL2 (with kIntra, H =
-// HV, q_rstd given): FLA's l2norm backward of q and k follows on the final dq, dk: dqx = rstd (dq - y (y . dq)), y the
-// normalized q in shared memory, the row dots summed over the 4 channel quarters in shared memory; dqx, dkx go out
-// in bf16 (dq, dk hold the final fp32 values too; the thread keeps its entries of them in registers for this). One CTA
-// per SM: nothing hides a tail's memory latency, so each tail issues all its loads before its first store.
+// has just written (each entry re-read by the thread that wrote it). kL2 (with kIntra, H = HV, q_rstd given): FLA's
+// l2norm backward of q and k follows on the final dq, dk: dqx = rstd (dq - y (y . dq)), y the normalized q in shared
+// memory, the row dots summed over the 4 channel quarters in shared memory; dqx, dkx go out in bf16 (dq, dk hold the
+// final fp32 values too; the thread keeps its entries of them in registers for this). One CTA per SM: nothing hides
+// a tail's memory latency, so each tail issues all its loads before its first store.
 #pragma once
 
 #include <cstddef>
@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
                        s + 1 <= t ? a[nt][2 * hi + 1] * p.scale : 0.f);
       }
   }
-  __syncthreads();  // db and X complete
+  __syncthreads();  // db, X (and dAqk) complete
   if (!kIntra && tid < L) p.db[(t0 + tid) * HV + hv] = sm.db_at(tid);
   // 9. Y = bf16(X Akk) in do's place, dA_out = -M(bA Y)
   bf16* const Y = sm.dout;
