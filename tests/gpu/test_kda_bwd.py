@@ -84,11 +84,15 @@ def test_bwd_wy_rejects_bad_arguments():
         C.kda_bwd_wy(*args, 1.0, True, torch.tensor([0, 64], device="cuda", dtype=torch.int32), None)
 
 
-def test_training_step_runs_the_kernel_strict(strict_mode, monkeypatch):
+@pytest.mark.parametrize("knob", [None, "WY_KERNEL", "DV_KERNEL"])
+def test_training_step_runs_the_kernel_strict(strict_mode, monkeypatch, knob):
     """chunk_kda forward + backward with the KDA layer's flags: fla_cula's backward takes kda_bwd_wy (strict: a
     fallback raises), and the gradients agree with FLA's (relative RMS; test_kda_prefill's test_grad judges them
-    against fp64)."""
+    against fp64). With a knob off: WY_KERNEL, FLA's wy after the fused form was planned (dAqk then from FLA's dAv,
+    the intra step on our own kernel); DV_KERNEL, FLA's dAv for dv beside the fused kernel."""
     monkeypatch.setenv("FLA_CULA_FORCE", "1")  # the forward on the kernel whatever the routing policy says
+    if knob is not None:
+        monkeypatch.setattr(kda_bwd, knob, False)
     torch.manual_seed(0)
     B, T, H, HV = 2, 1000, 2, 4
     dev = "cuda"
@@ -109,10 +113,10 @@ def test_training_step_runs_the_kernel_strict(strict_mode, monkeypatch):
         grads[name] = [t.grad.float() for t in leaves]
         if name == "cula":
             st = fla_cula.status()
-            assert st.get(kda_bwd.OP_WY, {}).get("kernel", 0) == 1, st
+            assert st.get(kda_bwd.OP_WY, {}).get("kernel", 0) == (knob != "WY_KERNEL"), st
             assert st.get(kda_bwd.OP_INTRA, {}).get("kernel", 0) == 1, st
             assert st.get(kda_bwd.OP_GATE, {}).get("kernel", 0) == 1, st
-            assert st.get(kda_bwd.OP_DV, {}).get("kernel", 0) == 1, st
+            assert st.get(kda_bwd.OP_DV, {}).get("kernel", 0) == (knob != "DV_KERNEL"), st
     for n, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), grads["fla"], grads["cula"], strict=True):
         assert rel_rms(b.double(), a.double()) < 2e-2, f"{n}: rel RMS vs FLA {rel_rms(b.double(), a.double()):.2e}"
 
