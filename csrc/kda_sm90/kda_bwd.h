@@ -9,7 +9,19 @@
 
 namespace fla_cula {
 
-struct KdaBwdWyParams {
+// What every backward kernel's launch shares: the chunk list (one CTA per (chunk, value head); kda_bwd_chunk.cuh's
+// chunk_span reads it) and the device and stream to launch on.
+struct KdaBwdLaunch {
+  int chunks;                 // B * ceil(T / 64), or the varlen chunk count (chunk_indices rows)
+  void const* cu_seqlens;     // [N+1] int32 / int64 or null (fixed length)
+  bool cu_seqlens_int64;
+  void const* chunk_indices;  // [chunks, 2] (sequence, chunk) int32 / int64, with cu_seqlens (FLA's layout)
+  bool chunk_indices_int64;
+  int device;
+  void* stream;
+};
+
+struct KdaBwdWyParams : KdaBwdLaunch {
   // token-major inputs, contiguous: element (token t, head x, channel d) at (t * heads + x) * width + d, the token
   // index running over the flattened [B*T]
   void const* q;       // bf16 [B,T,H,128] (l2-normalized when the forward normalized)
@@ -38,33 +50,19 @@ struct KdaBwdWyParams {
   void* dqx;            //   dq, dk in bf16 [B,T,H,128]; dq, dk keep only kda_bwd_wy's own terms (scratch)
   void* dkx;
   int B, T, H, HV;
-  int chunks;          // B * ceil(T / 64), or the varlen chunk count (chunk_indices rows)
   float scale;
   bool state_v_first;
-  void const* cu_seqlens;     // [N+1] int32 / int64 or null (fixed length)
-  bool cu_seqlens_int64;
-  void const* chunk_indices;  // [chunks, 2] (sequence, chunk) int32 / int64, with cu_seqlens (FLA's layout)
-  bool chunk_indices_int64;
-  int device;
-  void* stream;
 };
 
 void run_kda_bwd_wy(KdaBwdWyParams const& params);
 
 // kda_bwd_dv: the dv half of FLA's chunk_kda_bwd_dAv, dv = M(Aqk)^T do per chunk and value head
 // (kda_bwd_dv_kernel.cuh); its dAqk half is kda_bwd_wy's with intra.
-struct KdaBwdDvParams {
+struct KdaBwdDvParams : KdaBwdLaunch {
   void const* Aqk;   // bf16 [B,T,HV,64]: row t of its chunk, read on and below the diagonal only
   void const* dout;  // bf16 [B,T,HV,128] do
   void* dv;          // bf16 [B,T,HV,128] (rows past a sequence's end untouched)
   int B, T, HV;
-  int chunks;
-  void const* cu_seqlens;
-  bool cu_seqlens_int64;
-  void const* chunk_indices;
-  bool chunk_indices_int64;
-  int device;
-  void* stream;
 };
 
 void run_kda_bwd_dv(KdaBwdDvParams const& params);
@@ -72,7 +70,7 @@ void run_kda_bwd_dv(KdaBwdDvParams const& params);
 // kda_bwd_intra: FLA's chunk_kda_bwd_intra, the gradients through the chunk-local Aqk and Akk added to the
 // incoming dq, dk, db, dg (kda_bwd_intra_kernel.cuh). Block products on mma.sync (bf16x3); needs a per-token gate
 // bound (lower_bound).
-struct KdaBwdIntraParams {
+struct KdaBwdIntraParams : KdaBwdLaunch {
   void const* q;         // bf16 [B,T,H,128]
   void const* k;         // bf16 [B,T,H,128]
   float const* g;        // fp32 [B,T,HV,128] chunk-local cumsum, log2 units, per-token steps >= -gate_shift
@@ -88,14 +86,7 @@ struct KdaBwdIntraParams {
   float* dg_out;
   float* db_out;         // fp32 [B,T,HV], may be db
   int B, T, H, HV;
-  int chunks;
   float gate_shift;      // -lower_bound / ln 2 (> 0)
-  void const* cu_seqlens;
-  bool cu_seqlens_int64;
-  void const* chunk_indices;
-  bool chunk_indices_int64;
-  int device;
-  void* stream;
 };
 
 void run_kda_bwd_intra(KdaBwdIntraParams const& params);
@@ -103,7 +94,7 @@ void run_kda_bwd_intra(KdaBwdIntraParams const& params);
 // kda_bwd_gate: FLA's chunk_local_cumsum(dg, reverse) and kda_gate_bwd (lower_bound form) in one pass
 // (kda_bwd_gate_kernel.cuh): the gradient of the gate's input g_raw, and per-chunk partial sums of dA_log and
 // dt_bias's gradient for the host to add over the chunks.
-struct KdaBwdGateParams {
+struct KdaBwdGateParams : KdaBwdLaunch {
   float const* dg;         // fp32 [B,T,HV,128]: the gradient w.r.t. the chunk-local cumsum g
   void const* g_raw;       // bf16 / fp32 [B,T,HV,128]: the gate's input
   bool g_raw_fp32;
@@ -115,13 +106,6 @@ struct KdaBwdGateParams {
   float* dA_part;          // fp32 [chunks, HV], with A_log
   float* dbias_part;       // fp32 [chunks, HV*128], with dt_bias
   int B, T, HV;
-  int chunks;
-  void const* cu_seqlens;
-  bool cu_seqlens_int64;
-  void const* chunk_indices;
-  bool chunk_indices_int64;
-  int device;
-  void* stream;
 };
 
 void run_kda_bwd_gate(KdaBwdGateParams const& params);
