@@ -16,12 +16,16 @@
 // The rounding points and the order of every sum are those of kda_state_kernel (bf16(S), bf16(V'), fp32
 // accumulation over 16-channel blocks in order), so the CPU emulation gives the same bits as that kernel's.
 //
-// Pipeline: two stages of (record, v rows) filled by cp.async one chunk ahead; one CTA barrier per chunk publishes
-// chunk c's stage and frees the other for chunk c + 1. O^T leaves through a per-warpgroup staging tile
+// Pipeline: two stages of (record, v rows) filled one chunk ahead, the record by one bulk copy (cp.async.bulk, thread
+// 0, completing on the stage's mbarrier; the maps pass: two, for the tiles it reads), the v rows by cp.async; one CTA
+// barrier per chunk publishes chunk c's stage and frees the other for chunk c + 1. O^T leaves through a per-warpgroup staging tile
 // (stmatrix.trans, then 16-byte row stores).
 #pragma once
 
 #include "kda_sm90/kda_fwd_kernel.cuh"
+#ifndef FLA_CULA_KDA_HOST_EMULATION
+#include <cute/arch/copy_sm90_tma.hpp>
+#endif
 
 namespace fla_cula::kda_sm90 {
 
@@ -36,6 +40,7 @@ struct StateRsStorage {
     alignas(1024) bf16 v[kWG][kC][64];             // per warpgroup: v rows [token][its 64 columns], MN-major sw128
   } st[2];
   alignas(1024) bf16 o[kWG][kC][64];               // per warpgroup: O rows [token][its 64 columns], sw128
+  uint64_t full[2];                                // per stage: the record's bytes landed (transaction mbarrier)
 };
 template <int kBV>
 constexpr int kStateRsSmemBytes = int(sizeof(StateRsStorage<kBV / 64>));
@@ -116,6 +121,32 @@ __device__ __forceinline__ void wg_rs_mn(float (&acc)[16][4], uint32_t const (&a
 #endif
 }
 
+// The record's bulk copies: bytes [b0, b1) of a chunk's record from global src into the stage image dst, completing
+// on the stage's mbarrier, whose transaction count the issuing thread set first (stage_expect). Under the CPU
+// emulator a plain copy (complete at once; the CTA barrier orders it) and the mbarrier calls are no-ops.
+__device__ __forceinline__ void stage_init(uint64_t* bar) {
+#ifndef FLA_CULA_KDA_HOST_EMULATION
+  cutlass::arch::ClusterTransactionBarrier::init(bar, 1);
+#endif
+}
+__device__ __forceinline__ void stage_expect(uint64_t* bar, int bytes) {
+#ifndef FLA_CULA_KDA_HOST_EMULATION
+  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, uint32_t(bytes));
+#endif
+}
+__device__ __forceinline__ void stage_copy(unsigned char* dst, unsigned char const* src, int b0, int b1, uint64_t* bar) {
+#ifdef FLA_CULA_KDA_HOST_EMULATION
+  std::memcpy(dst + b0, src + b0, size_t(b1 - b0));
+#else
+  cute::SM90_BULK_COPY_G2S::copy(src + b0, bar, dst + b0, b1 - b0);
+#endif
+}
+__device__ __forceinline__ void stage_wait(uint64_t* bar, int phase) {
+#ifndef FLA_CULA_KDA_HOST_EMULATION
+  cutlass::arch::ClusterTransactionBarrier::wait(bar, uint32_t(phase));
+#endif
+}
+
 __device__ __forceinline__ void wg_arrive() {
 #ifndef FLA_CULA_KDA_HOST_EMULATION
   cute::warpgroup_arrive();
@@ -188,23 +219,29 @@ __global__ void __launch_bounds__(kBV * 2, 1) kda_state_rs_kernel(__grid_constan
   // writes (an empty segment's (M, H) is (I, 0))
   if (!kMaps && seg > last_seg) return;
 
+  if (tid == 0) {
+    stage_init(&sm.full[0]);
+    stage_init(&sm.full[1]);
+#ifndef FLA_CULA_KDA_HOST_EMULATION
+    cutlass::arch::fence_barrier_init();
+#endif
+  }
+  __syncthreads();
+
   unsigned char const* const rec0 =
       static_cast<unsigned char const*>(p.rec) + (int64_t(hv) * p.rec_slots + bos / kC + n) * kKdaRecBytes;
   bf16 const* const vg = static_cast<bf16 const*>(p.v) + hv * p.v_head_stride + kBV * vb;
   bf16* const og = kMaps ? nullptr : static_cast<bf16*>(p.o) + hv * p.o_head_stride + kBV * vb + 64 * w;
 
-  // chunk c's record and v rows (rows past the sequence zero) into stage s, one commit group. The maps pass reads
-  // neither Qg nor Aqk, and a map neither akkb nor v.
+  // chunk c's record (thread 0's bulk copies onto full[s]) and v rows (rows past the sequence zero; one cp.async
+  // commit group) into stage s. The maps pass reads neither Qg nor Aqk, and a map neither akkb nor v.
   auto issue = [&](int c, int s) {
-    unsigned char const* const src = rec0 + int64_t(c) * kKdaRecBytes;
-    auto copy = [&](int b0, int b1) {
-      for (int b = b0 + 16 * tid; b < b1; b += 16 * kNT) cp_async16(sm.st[s].rec + b, src + b, true);
-    };
-    if constexpr (kMaps) {
-      copy(mmap ? kRecWn : kRecAkkb, kRecQg);
-      copy(kRecKd, kKdaRecBytes);
-    } else {
-      copy(0, kKdaRecBytes);
+    if (tid == 0) {
+      unsigned char const* const src = rec0 + int64_t(c) * kKdaRecBytes;
+      int const a0 = kMaps ? (mmap ? kRecWn : kRecAkkb) : 0, a1 = kMaps ? kRecQg : kKdaRecBytes;
+      stage_expect(&sm.full[s], a1 - a0 + (kMaps ? kKdaRecBytes - kRecKd : 0));
+      stage_copy(sm.st[s].rec, src, a0, a1, &sm.full[s]);
+      if constexpr (kMaps) stage_copy(sm.st[s].rec, src, kRecKd, kKdaRecBytes, &sm.full[s]);
     }
     int64_t const t0 = bos + int64_t(c) * kC;
     int64_t const left = eos - t0;
@@ -247,7 +284,8 @@ __global__ void __launch_bounds__(kBV * 2, 1) kda_state_rs_kernel(__grid_constan
 
   for (int c = c_lo; c < c_hi; ++c) {
     int const s = (c - c_lo) & 1;
-    cp_async_wait_group<0>();  // this thread's copies of chunk c landed ...
+    stage_wait(&sm.full[s], ((c - c_lo) >> 1) & 1);  // chunk c's record landed (the stage's (c - c_lo) / 2-th use)
+    cp_async_wait_group<0>();  // this thread's v copies of chunk c landed ...
     fence_async_shared();      // ... and become visible to wgmma after the barrier,
     __syncthreads();           // which also ends every read of the other stage (chunk c - 1)
     if (c + 1 < c_hi) issue(c + 1, s ^ 1);
