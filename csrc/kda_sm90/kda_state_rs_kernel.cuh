@@ -18,8 +18,8 @@
 //
 // Pipeline: two stages of (record, v rows) filled one chunk ahead, the record by one bulk copy (cp.async.bulk, thread
 // 0, completing on the stage's mbarrier; the maps pass: two, for the tiles it reads), the v rows by cp.async; one CTA
-// barrier per chunk publishes chunk c's stage and frees the other for chunk c + 1. O^T leaves through a per-warpgroup staging tile
-// (stmatrix.trans, then 16-byte row stores).
+// barrier per chunk publishes chunk c's stage and frees the other for chunk c + 1. O^T leaves through a per-warpgroup
+// staging tile (stmatrix.trans, then 16-byte row stores).
 #pragma once
 
 #include "kda_sm90/kda_fwd_kernel.cuh"
@@ -134,7 +134,8 @@ __device__ __forceinline__ void stage_expect(uint64_t* bar, int bytes) {
   cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(bar, uint32_t(bytes));
 #endif
 }
-__device__ __forceinline__ void stage_copy(unsigned char* dst, unsigned char const* src, int b0, int b1, uint64_t* bar) {
+__device__ __forceinline__ void stage_copy(unsigned char* dst, unsigned char const* src, int b0, int b1,
+                                           uint64_t* bar) {
 #ifdef FLA_CULA_KDA_HOST_EMULATION
   std::memcpy(dst + b0, src + b0, size_t(b1 - b0));
 #else
