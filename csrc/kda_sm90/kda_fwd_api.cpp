@@ -88,14 +88,9 @@ HeadDims expect_qk_and_heads(TensorArg const& q, TensorArg const& k, TensorArg c
   return {B, T, H, HV};
 }
 
-// The backward's chunk list: cu_seqlens [N+1] and chunk_indices [chunks, 2] (FLA's prepare_chunk_indices), int32 or
-// int64, both or neither, on q's device (q: the call's first tensor), batch size 1 with them. Sets the pointers and
-// widths; returns the chunks (B * ceil(T / 64) without them).
-int64_t expect_chunk_list(py::handle cu_obj, py::handle ci_obj, TensorArg const& q, HeadDims const& d,
-                          void const** cu_data, bool* cu64, void const** ci_data, bool* ci64) {
-  bool const varlen = !cu_obj.is_none();
-  if (varlen != !ci_obj.is_none()) throw py::value_error("cu_seqlens and chunk_indices: expected both or neither");
-  if (!varlen) return d.B * ((d.T + kChunk - 1) / kChunk);
+// chunk_list's varlen half: the two tensors checked, p's pointers and widths set; returns chunk_indices' rows
+int64_t varlen_chunk_list(KdaBwdLaunch& p, py::handle cu_obj, py::handle ci_obj, TensorArg const& q,
+                          HeadDims const& d) {
   if (d.B != 1) {
     throw py::value_error(std::string(q.name) + ": expected batch size 1 with cu_seqlens, got " + std::to_string(d.B));
   }
@@ -111,11 +106,29 @@ int64_t expect_chunk_list(py::handle cu_obj, py::handle ci_obj, TensorArg const&
   if (ci.size(1) != 2) throw py::value_error("chunk_indices: expected shape (chunks, 2), got " + ci.shape_str());
   expect_contiguous(ci);
   expect_same_device(ci, q);
-  *cu_data = cu.data;
-  *cu64 = cu.dtype == dtype::kInt64;
-  *ci_data = ci.data;
-  *ci64 = ci.dtype == dtype::kInt64;
+  p.cu_seqlens = cu.data;
+  p.cu_seqlens_int64 = cu.dtype == dtype::kInt64;
+  p.chunk_indices = ci.data;
+  p.chunk_indices_int64 = ci.dtype == dtype::kInt64;
   return ci.size(0);
+}
+
+// The backward's chunk list: cu_seqlens [N+1] and chunk_indices [chunks, 2] (FLA's prepare_chunk_indices), int32 or
+// int64, both or neither, on q's device (q: the call's first tensor), batch size 1 with them; at most 2^31 - 1
+// (chunk, value head) pairs. Sets p's chunk list (the chunks: B * ceil(T / 64) without them), device and stream.
+int64_t chunk_list(KdaBwdLaunch& p, py::handle cu_obj, py::handle ci_obj, TensorArg const& q, HeadDims const& d,
+                   char const* op) {
+  bool const varlen = !cu_obj.is_none();
+  if (varlen != !ci_obj.is_none()) throw py::value_error("cu_seqlens and chunk_indices: expected both or neither");
+  int64_t chunks = d.B * ((d.T + kChunk - 1) / kChunk);
+  if (varlen) chunks = varlen_chunk_list(p, cu_obj, ci_obj, q, d);
+  if (chunks * d.HV >= (int64_t(1) << 31)) {
+    throw py::value_error(std::string(op) + ": too many (chunk, value head) pairs");
+  }
+  p.chunks = static_cast<int>(chunks);
+  p.device = q.device.device_id;
+  p.stream = current_stream(q.device);
+  return chunks;
 }
 
 void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handle g_obj, py::handle beta_obj,
@@ -430,8 +443,7 @@ void kda_bwd_wy_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::ha
   expect_tensor(A, {dtype::kBFloat16}, {B, T, HV, kChunk}, "(B, T, HV, 64)", &q, 16);
 
   KdaBwdWyParams p{};
-  int64_t const chunks = expect_chunk_list(cu_obj, chunk_indices_obj, q, d, &p.cu_seqlens, &p.cu_seqlens_int64,
-                                           &p.chunk_indices, &p.chunk_indices_int64);
+  int64_t const chunks = chunk_list(p, cu_obj, chunk_indices_obj, q, d, "kda_bwd_wy");
   std::string const hw = "(B, NT, HV, 128, 128) with B * NT = chunks = " + std::to_string(chunks) + ", HV = " +
                          std::to_string(HV);
   TensorArg h = tensor_arg(h_obj, "h");
@@ -484,7 +496,6 @@ void kda_bwd_wy_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::ha
     p.dqx = dqx.data;
     p.dkx = dkx.data;
   }
-  if (chunks * HV >= (int64_t(1) << 31)) throw py::value_error("kda_bwd_wy: too many (chunk, value head) pairs");
 
   p.q = q.data; p.k = k.data; p.v = v.data; p.v_new = v_new.data; p.dout = dout.data; p.dv = dv.data;
   p.g = g.ptr<float>(); p.beta = beta.ptr<float>(); p.A = A.data; p.h = h.data; p.dh = dh.data;
@@ -494,11 +505,8 @@ void kda_bwd_wy_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::ha
   p.T = static_cast<int>(T);
   p.H = static_cast<int>(H);
   p.HV = static_cast<int>(HV);
-  p.chunks = static_cast<int>(chunks);
   p.scale = static_cast<float>(scale);
   p.state_v_first = state_v_first;
-  p.device = q.device.device_id;
-  p.stream = current_stream(q.device);
   py::gil_scoped_release release;
   run_kda_bwd_wy(p);
 }
@@ -517,18 +525,13 @@ void kda_bwd_dv_api(py::handle Aqk_obj, py::handle do_obj, py::handle dv_obj, py
   expect_tensor(Aqk, {dtype::kBFloat16}, {B, T, HV, kChunk}, "(B, T, HV, 64) as do", &dout, 16);
   expect_tensor(dv, {dtype::kBFloat16}, {B, T, HV, kHeadDim}, "(B, T, HV, 128) as do", &dout, 16);
   KdaBwdDvParams p{};
-  int64_t const chunks = expect_chunk_list(cu_obj, chunk_indices_obj, dout, {B, T, HV, HV}, &p.cu_seqlens,
-                                           &p.cu_seqlens_int64, &p.chunk_indices, &p.chunk_indices_int64);
-  if (chunks * HV >= (int64_t(1) << 31)) throw py::value_error("kda_bwd_dv: too many (chunk, value head) pairs");
+  chunk_list(p, cu_obj, chunk_indices_obj, dout, {B, T, HV, HV}, "kda_bwd_dv");
   p.Aqk = Aqk.data;
   p.dout = dout.data;
   p.dv = dv.data;
   p.B = static_cast<int>(B);
   p.T = static_cast<int>(T);
   p.HV = static_cast<int>(HV);
-  p.chunks = static_cast<int>(chunks);
-  p.device = dout.device.device_id;
-  p.stream = current_stream(dout.device);
   py::gil_scoped_release release;
   run_kda_bwd_dv(p);
 }
@@ -563,9 +566,7 @@ void kda_bwd_intra_api(py::handle q_obj, py::handle k_obj, py::handle g_obj, py:
                           std::to_string(gate_shift));
   }
   KdaBwdIntraParams p{};
-  int64_t const chunks = expect_chunk_list(cu_obj, chunk_indices_obj, q, d, &p.cu_seqlens, &p.cu_seqlens_int64,
-                                           &p.chunk_indices, &p.chunk_indices_int64);
-  if (chunks * HV >= (int64_t(1) << 31)) throw py::value_error("kda_bwd_intra: too many (chunk, value head) pairs");
+  chunk_list(p, cu_obj, chunk_indices_obj, q, d, "kda_bwd_intra");
   p.q = q.data; p.k = k.data; p.g = g.ptr<float>(); p.beta = beta.ptr<float>();
   p.dAqk = dAqk.ptr<float>(); p.dAkk = dAkk.ptr<float>();
   p.dq = dq.ptr<float>(); p.dk = dk.ptr<float>(); p.dg = dg.ptr<float>(); p.db = db.ptr<float>();
@@ -575,10 +576,7 @@ void kda_bwd_intra_api(py::handle q_obj, py::handle k_obj, py::handle g_obj, py:
   p.T = static_cast<int>(T);
   p.H = static_cast<int>(H);
   p.HV = static_cast<int>(HV);
-  p.chunks = static_cast<int>(chunks);
   p.gate_shift = static_cast<float>(gate_shift);
-  p.device = q.device.device_id;
-  p.stream = current_stream(q.device);
   py::gil_scoped_release release;
   run_kda_bwd_intra(p);
 }
@@ -598,9 +596,7 @@ void kda_bwd_gate_api(py::handle dg_obj, py::handle g_raw_obj, py::handle A_log_
   expect_tensor(dg_raw, {g_raw.dtype}, vs, "(B, T, HV, 128) as dg, g_raw's dtype", &dg);
   if (!(lower_bound < 0.0)) throw py::value_error("lower_bound: expected < 0, got " + std::to_string(lower_bound));
   KdaBwdGateParams p{};
-  int64_t const chunks = expect_chunk_list(cu_obj, chunk_indices_obj, dg, {B, T, HV, HV}, &p.cu_seqlens,
-                                           &p.cu_seqlens_int64, &p.chunk_indices, &p.chunk_indices_int64);
-  if (chunks * HV >= (int64_t(1) << 31)) throw py::value_error("kda_bwd_gate: too many (chunk, value head) pairs");
+  int64_t const chunks = chunk_list(p, cu_obj, chunk_indices_obj, dg, {B, T, HV, HV}, "kda_bwd_gate");
   bool a_fp32 = true, b_fp32 = true;
   void const* a = nullptr;
   void const* b = nullptr;
@@ -631,9 +627,6 @@ void kda_bwd_gate_api(py::handle dg_obj, py::handle g_raw_obj, py::handle A_log_
   p.B = static_cast<int>(B);
   p.T = static_cast<int>(T);
   p.HV = static_cast<int>(HV);
-  p.chunks = static_cast<int>(chunks);
-  p.device = dg.device.device_id;
-  p.stream = current_stream(dg.device);
   py::gil_scoped_release release;
   run_kda_bwd_gate(p);
 }
