@@ -22,6 +22,28 @@ _PRELUDE = EMULATOR_CPP.split("#define FLA_CULA_KDA_HOST_EMULATION 1")[0]
 for _name in ("g_wbar", "g_x", "g_a", "g_b", "g_c", "g_sp", "g_sr", "g_lp"):
     assert f"{_name}[8]" in _PRELUDE, _name
     _PRELUDE = _PRELUDE.replace(f"{_name}[8]", f"{_name}[16]")
+# one emulated launch: CTA b = 0 .. blocks - 1 in turn, its threads as std::threads running kernel(), shared memory
+# poisoned (0xff) before each CTA
+_PRELUDE += r"""
+template <class F>
+void emu_grid(int blocks, int threads, F const& kernel) {
+  std::barrier<> bar(threads);
+  g_bar = &bar;
+  for (int w = 0; w < threads / 32; ++w) g_wbar[w] = new std::barrier<>(32);
+  for (int b = 0; b < blocks; ++b) {
+    blockIdx.x = b;
+    std::memset(smem_raw, 0xff, sizeof(smem_raw));
+    std::vector<std::thread> th;
+    for (int t = 0; t < threads; ++t)
+      th.emplace_back([&kernel, t] {
+        threadIdx.x = t;
+        kernel();
+      });
+    for (auto& x : th) x.join();
+  }
+  for (int w = 0; w < threads / 32; ++w) delete g_wbar[w];
+}
+"""
 
 
 EMULATOR_BWD_CPP = _PRELUDE + r"""
@@ -47,28 +69,16 @@ extern "C" void emu_bwd_wy(void const* q, void const* k, void const* v, void con
   p.B = B; p.T = T; p.H = H; p.HV = HV; p.chunks = chunks; p.scale = scale; p.state_v_first = svf;
   p.cu_seqlens = cu; p.cu_seqlens_int64 = cu64; p.chunk_indices = ci; p.chunk_indices_int64 = ci64;
   p.intra = intra; p.gate_shift = shift; p.q_rstd = q_rstd; p.k_rstd = k_rstd; p.dqx = dqx; p.dkx = dkx;
-  std::barrier<> bar(kda_sm90::kBwdThreads);
-  g_bar = &bar;
-  for (int w = 0; w < kda_sm90::kBwdWarps; ++w) g_wbar[w] = new std::barrier<>(32);
   static_assert(kda_sm90::kBwdWySmemBytes <= int(sizeof(smem_raw)));
-  for (int b = 0; b < chunks * HV; ++b) {
-    blockIdx.x = b;
-    std::memset(smem_raw, 0xff, sizeof(smem_raw));
-    std::vector<std::thread> th;
-    for (int t = 0; t < kda_sm90::kBwdThreads; ++t)
-      th.emplace_back([&p, t, svf] {
-        threadIdx.x = t;
-        if (p.q_rstd) {
-          svf ? kda_sm90::kda_bwd_wy_kernel<true, true, true>(p) : kda_sm90::kda_bwd_wy_kernel<false, true, true>(p);
-        } else if (p.intra) {
-          svf ? kda_sm90::kda_bwd_wy_kernel<true, true>(p) : kda_sm90::kda_bwd_wy_kernel<false, true>(p);
-        } else {
-          svf ? kda_sm90::kda_bwd_wy_kernel<true, false>(p) : kda_sm90::kda_bwd_wy_kernel<false, false>(p);
-        }
-      });
-    for (auto& x : th) x.join();
-  }
-  for (int w = 0; w < kda_sm90::kBwdWarps; ++w) delete g_wbar[w];
+  emu_grid(chunks * HV, kda_sm90::kBwdThreads, [&p, svf] {
+    if (p.q_rstd) {
+      svf ? kda_sm90::kda_bwd_wy_kernel<true, true, true>(p) : kda_sm90::kda_bwd_wy_kernel<false, true, true>(p);
+    } else if (p.intra) {
+      svf ? kda_sm90::kda_bwd_wy_kernel<true, true>(p) : kda_sm90::kda_bwd_wy_kernel<false, true>(p);
+    } else {
+      svf ? kda_sm90::kda_bwd_wy_kernel<true, false>(p) : kda_sm90::kda_bwd_wy_kernel<false, false>(p);
+    }
+  });
 }
 """
 
@@ -202,14 +212,9 @@ def test_sass_hmma_ldsm_no_spills():
 
 
 # ---------------------------------------------------------------------------------------------
-# kda_bwd_intra (csrc/kda_sm90/kda_bwd_intra_kernel.cuh): 512 threads, so the prelude's per-warp arrays hold 16 warps
+# kda_bwd_intra (csrc/kda_sm90/kda_bwd_intra_kernel.cuh): 512 threads (the prelude's per-warp arrays hold 16 warps)
 # ---------------------------------------------------------------------------------------------
-_PRELUDE16 = _PRELUDE
-for _name in ("g_wbar", "g_x", "g_a", "g_b", "g_c", "g_sp", "g_sr", "g_lp"):
-    assert f"{_name}[8]" in _PRELUDE16 or f"{_name}[16]" in _PRELUDE16, _name
-    _PRELUDE16 = _PRELUDE16.replace(f"{_name}[8]", f"{_name}[16]")
-
-EMULATOR_INTRA_CPP = _PRELUDE16 + r"""
+EMULATOR_INTRA_CPP = _PRELUDE + r"""
 #include <atomic>
 inline float atomicAdd(float* p, float v) { return std::atomic_ref<float>(*p).fetch_add(v); }
 
@@ -227,22 +232,10 @@ extern "C" void emu_bwd_intra(void const* q, void const* k, float const* g, floa
   p.dq_out = dq_out; p.dk_out = dk_out; p.dg_out = dg_out; p.db_out = db_out;
   p.B = B; p.T = T; p.H = H; p.HV = HV; p.chunks = chunks; p.gate_shift = shift;
   p.cu_seqlens = cu; p.chunk_indices = ci;
-  std::barrier<> bar(kda_sm90::kIntraThreads);
-  g_bar = &bar;
-  for (int w = 0; w < kda_sm90::kIntraThreads / 32; ++w) g_wbar[w] = new std::barrier<>(32);
   static_assert(kda_sm90::kBwdIntraSmemBytes <= int(sizeof(smem_raw)));
-  for (int b = 0; b < chunks * HV; ++b) {
-    blockIdx.x = b;
-    std::memset(smem_raw, 0xff, sizeof(smem_raw));
-    std::vector<std::thread> th;
-    for (int t = 0; t < kda_sm90::kIntraThreads; ++t)
-      th.emplace_back([&p, t] {
-        threadIdx.x = t;
-        kda_sm90::kda_bwd_intra_kernel(p);
-      });
-    for (auto& x : th) x.join();
-  }
-  for (int w = 0; w < kda_sm90::kIntraThreads / 32; ++w) delete g_wbar[w];
+  emu_grid(chunks * HV, kda_sm90::kIntraThreads, [&p] {
+    kda_sm90::kda_bwd_intra_kernel(p);
+  });
 }
 """
 
@@ -448,7 +441,7 @@ def test_bwd_wy_fused_l2norm_emulated(emulator, case):
 # ---------------------------------------------------------------------------------------------
 # kda_bwd_dv (csrc/kda_sm90/kda_bwd_dv_kernel.cuh): dv = M(Aqk)^T do, 256 threads
 # ---------------------------------------------------------------------------------------------
-EMULATOR_DV_CPP = _PRELUDE16 + r"""
+EMULATOR_DV_CPP = _PRELUDE + r"""
 #define FLA_CULA_KDA_HOST_EMULATION 1
 #include "kda_sm90/kda_bwd_dv_kernel.cuh"
 
@@ -459,22 +452,10 @@ extern "C" void emu_bwd_dv(void const* Aqk, void const* dout, void* dv, int B, i
   KdaBwdDvParams p{};
   p.Aqk = Aqk; p.dout = dout; p.dv = dv; p.B = B; p.T = T; p.HV = HV; p.chunks = chunks;
   p.cu_seqlens = cu; p.chunk_indices = ci;
-  std::barrier<> bar(kda_sm90::kDvThreads);
-  g_bar = &bar;
-  for (int w = 0; w < kda_sm90::kDvThreads / 32; ++w) g_wbar[w] = new std::barrier<>(32);
   static_assert(kda_sm90::kBwdDvSmemBytes <= int(sizeof(smem_raw)));
-  for (int b = 0; b < chunks * HV; ++b) {
-    blockIdx.x = b;
-    std::memset(smem_raw, 0xff, sizeof(smem_raw));
-    std::vector<std::thread> th;
-    for (int t = 0; t < kda_sm90::kDvThreads; ++t)
-      th.emplace_back([&p, t] {
-        threadIdx.x = t;
-        kda_sm90::kda_bwd_dv_kernel(p);
-      });
-    for (auto& x : th) x.join();
-  }
-  for (int w = 0; w < kda_sm90::kDvThreads / 32; ++w) delete g_wbar[w];
+  emu_grid(chunks * HV, kda_sm90::kDvThreads, [&p] {
+    kda_sm90::kda_bwd_dv_kernel(p);
+  });
 }
 """
 
@@ -537,7 +518,7 @@ def test_bwd_dv_emulated_matches_fp64_model(dv_emulator, case):
 # ---------------------------------------------------------------------------------------------
 # kda_bwd_gate (csrc/kda_sm90/kda_bwd_gate_kernel.cuh): dg's reverse chunk cumsum and the gate backward, 512 threads
 # ---------------------------------------------------------------------------------------------
-EMULATOR_GATE_CPP = _PRELUDE16 + r"""
+EMULATOR_GATE_CPP = _PRELUDE + r"""
 #define FLA_CULA_KDA_HOST_EMULATION 1
 #include "kda_sm90/kda_bwd_gate_kernel.cuh"
 
@@ -551,22 +532,10 @@ extern "C" void emu_bwd_gate(float const* dg, void const* g_raw, int g_raw_fp32,
   p.dt_bias = dt_bias; p.dt_bias_fp32 = bias_fp32; p.lower_bound = lower_bound; p.dg_raw = dg_raw;
   p.dA_part = dA_part; p.dbias_part = dbias_part; p.B = B; p.T = T; p.HV = HV; p.chunks = chunks;
   p.cu_seqlens = cu; p.chunk_indices = ci;
-  std::barrier<> bar(kda_sm90::kGateThreads);
-  g_bar = &bar;
-  for (int w = 0; w < kda_sm90::kGateThreads / 32; ++w) g_wbar[w] = new std::barrier<>(32);
   static_assert(kda_sm90::kBwdGateSmemBytes <= int(sizeof(smem_raw)));
-  for (int b = 0; b < chunks * HV; ++b) {
-    blockIdx.x = b;
-    std::memset(smem_raw, 0xff, sizeof(smem_raw));
-    std::vector<std::thread> th;
-    for (int t = 0; t < kda_sm90::kGateThreads; ++t)
-      th.emplace_back([&p, t] {
-        threadIdx.x = t;
-        if (p.g_raw_fp32) kda_sm90::kda_bwd_gate_kernel<true>(p); else kda_sm90::kda_bwd_gate_kernel<false>(p);
-      });
-    for (auto& x : th) x.join();
-  }
-  for (int w = 0; w < kda_sm90::kGateThreads / 32; ++w) delete g_wbar[w];
+  emu_grid(chunks * HV, kda_sm90::kGateThreads, [&p] {
+    if (p.g_raw_fp32) kda_sm90::kda_bwd_gate_kernel<true>(p); else kda_sm90::kda_bwd_gate_kernel<false>(p);
+  });
 }
 """
 
