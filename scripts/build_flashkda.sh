@@ -21,7 +21,12 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_28_x86_64 -d "$whl_dir" "torch==2.11.0" 2>&1 | grep -v '^WARNING: Location' || true
 unzip -q -o "$whl_dir"/torch-2.11.0-*.whl 'torch/include/*' 'torch/lib/*' -d "$work"
 cut=$(python3 -c "import cutlass_library, pathlib; print(pathlib.Path(cutlass_library.__file__).parent / 'source')")
-pyinc=$(${PYTHON312:-python3.12} -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+# python3.12: $PYTHON312, else the one on PATH when it runs (a pyenv shim may not), else pyenv's own 3.12
+py312=${PYTHON312:-python3.12}
+if ! "$py312" -c "" 2>/dev/null; then
+  py312=$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1)
+fi
+pyinc=$("${py312:?no python3.12 found: set PYTHON312}" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 ti="$work/torch/include"
 rev=$(git -C "$src" rev-parse --short HEAD 2>/dev/null || echo unknown)
 
