@@ -109,18 +109,25 @@ def _pass_graphs(kp, kargs, B, T, H, sms, knobs, capture_graph, profile=False):
     ht = torch.empty(B, H, 128, 128, dtype=torch.float32, device=q.device)
     kp.run_two_kernel(recording, B, H, kp.record_slots(B, T, B), q.device, plan, o, ht, None, None,
                       combine=kp._C.kda_combine, state_rs=state_rs)
-    names = ["prep"] + (["maps"] if plan.segments > 1 else []) + ["pass 2"]
-    # The graphs replay into these buffers (records, segment states, o): `calls` (and the combine's copy of seg_H)
-    # go back with them, or the buffers would be freed and reused while the graphs still write them.
-    out = [(n, capture_graph(lambda kw=kw: launch(**kw))) for n, kw in zip(names, calls, strict=True)]
-    if plan.segments > 1:
-        seg_H, seg_M = calls[1]["seg_H"].clone(), calls[1]["seg_M"]
-        out.insert(2, ("combine", capture_graph(lambda: kp._C.kda_combine(seg_H, seg_M))))
+    def name(kw):  # run_two_kernel's order: prep, [pass 2 of segment 0 beside maps | maps], pass 2
+        if kw["pass_kind"] == 1:
+            return "prep"
+        return "maps" if kw["maps"] else "pass 2 seg 0" if kw.get("seg_hi") == 1 else "pass 2"
+
+    # Each pass alone (pass 2 of segment 0 and the maps pass run side by side in the call). The graphs replay into
+    # these buffers (records, segment states, o): `calls` (and the combine's copy of seg_H) go back with them, or the
+    # buffers would be freed and reused while the graphs still write them.
+    first, last = calls[0], calls[-1]
+    out = [(name(kw), capture_graph(lambda kw=kw: launch(**kw))) for kw in calls]
+    maps = [kw for kw in calls if kw["maps"]]
+    if maps:
+        seg_H, seg_M = maps[0]["seg_H"].clone(), maps[0]["seg_M"]
+        out.insert(len(out) - 1, ("combine", capture_graph(lambda: kp._C.kda_combine(seg_H, seg_M))))
         calls.append({"seg_H": seg_H})
     prof = {}
     if profile:
         chunks = B * ((T + kp.CHUNK - 1) // kp.CHUNK)
-        for pn, kw in (("prep", calls[0]), ("pass 2", calls[len(names) - 1])):
+        for pn, kw in (("prep", first), ("pass 2", last)):
             if kw.get("state_rs"):
                 continue  # kda_state_rs_kernel has no phase_cycles instrumentation
             vblocks = 1 if kw["pass_kind"] == 1 else 128 // kw["block_v"]   # the prep runs once per pair

@@ -736,7 +736,7 @@ extern "C" void emu_run(void const* q, void const* k, void const* v, void const*
                         int bsig, float bscale, void const* cu, int cu64, long long* prof, int block_v, int wgmma,
                         int pass, void* rec, long long rec_slots, int cpc, int units, int maps, float* seg_H,
                         float* seg_M, void* h_inter, void const* chunk_offsets, int NT, int state_rs, void* q_hat,
-                        void* k_hat, float* q_rstd, float* k_rstd) {
+                        void* k_hat, float* q_rstd, float* k_rstd, int seg_lo, int seg_hi) {
   KdaFwdParams p{};
   p.q = q; p.k = k; p.qk_tok_stride = int64_t(H) * 128; p.qk_head_stride = 128;
   p.v = v; p.v_tok_stride = int64_t(HV) * 128; p.v_head_stride = 128;
@@ -751,6 +751,12 @@ extern "C" void emu_run(void const* q, void const* k, void const* v, void const*
   p.cu_seqlens = cu; p.cu_seqlens_int64 = cu64; p.phase_cycles = prof; p.block_v = block_v;
   p.pass = pass; p.rec = rec; p.rec_slots = rec_slots; p.chunks_per_cta = cpc; p.units = units; p.maps = maps;
   p.seg_H = seg_H; p.seg_M = seg_M;
+  // the binding's segment arguments: units P (2 P - 3 with maps), pass 2 over [seg_lo, seg_hi or P)
+  p.segments = pass != kKdaState ? 1 : maps ? (units + 3) / 2 : units;
+  seg_hi = seg_hi ? seg_hi : p.segments;
+  p.seg_lo = seg_lo;
+  p.seg_H_out = pass == kKdaState && !maps && seg_hi < p.segments;
+  if (pass == kKdaState) p.units = units = maps ? units - seg_lo : seg_hi - seg_lo;
   p.h_inter = h_inter; p.chunk_offsets = chunk_offsets; p.chunk_offsets_int64 = true; p.NT = NT;
   p.state_rs = state_rs;
   p.q_hat = q_hat; p.k_hat = k_hat; p.q_rstd = q_rstd; p.k_rstd = k_rstd;
@@ -835,7 +841,8 @@ def _ptr(x):
 
 def _emu_call(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, o, ht, Aqk, Akk, prof, *, scale, lb, l2, bsig, neg, svf,
               block_v, wgmma, pass_=0, rec=None, cpc=0, units=1, maps=False, seg_H=None, seg_M=None, h_inter=None,
-              chunk_offsets=None, state_rs=False, q_hat=None, k_hat=None, q_rstd=None, k_rstd=None):
+              chunk_offsets=None, state_rs=False, q_hat=None, k_hat=None, q_rstd=None, k_rstd=None, seg_lo=0,
+              seg_hi=0):
     import ctypes
     ptr = _ptr
     B, T, H, _ = q.shape
@@ -847,7 +854,7 @@ def _emu_call(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, o, ht, Aqk, Akk, pr
                 ptr(cu), int(cu is not None and cu.dtype == torch.int64), ptr(prof), block_v, int(wgmma), pass_,
                 ptr(rec), ctypes.c_longlong(0 if rec is None else rec.shape[1]), cpc, units, int(maps), ptr(seg_H),
                 ptr(seg_M), ptr(h_inter), ptr(chunk_offsets), 0 if h_inter is None else h_inter.shape[1],
-                int(state_rs), ptr(q_hat), ptr(k_hat), ptr(q_rstd), ptr(k_rstd))
+                int(state_rs), ptr(q_hat), ptr(k_hat), ptr(q_rstd), ptr(k_rstd), seg_lo, seg_hi)
 
 
 def _emulate(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bsig, neg, svf, block_v, wgmma=False,
@@ -1026,12 +1033,15 @@ def _emulate_two_kernel(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale,
     Aqk = torch.full((B, T, HV, 64), float("nan"), dtype=torch.bfloat16)
     Akk = torch.full((B, T, HV, 64), float("nan"), dtype=torch.bfloat16)
 
+    poisoned = set()
+
     def launch(*, pass_kind, rec, chunks_per_cta, units, maps, seg_H, seg_M, block_v, o, ht, Aqk, Akk, **kw):
         if pass_kind == 1:
             rec.fill_(0xff)
-        if maps:
-            seg_H.fill_(float("nan"))
-            seg_M.fill_(float("nan"))
+        for t in (seg_H, seg_M):  # NaN before the first pass that sees them (pass 2 of segment 0 may precede maps)
+            if t is not None and t.data_ptr() not in poisoned:
+                poisoned.add(t.data_ptr())
+                t.fill_(float("nan"))
         _emu_call(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, o, ht, Aqk, Akk, None, scale=scale, lb=lb, l2=l2,
                   bsig=bsig, neg=neg, svf=svf, block_v=block_v, wgmma=True, pass_=pass_kind, rec=rec,
                   cpc=chunks_per_cta, units=units, maps=maps, seg_H=seg_H, seg_M=seg_M, **kw)
@@ -1097,10 +1107,13 @@ def test_qk_hat_emulated(emulator, case, form):
     ("varlen-gva-empty", 1, None),   # an empty sequence (ht = h0), GVA, K-major states
     ("fixed-random", 4, 1),          # pass 2 from the combined seg_H, segment 3 taking the remaining chunks
     ("varlen-slow", 3, 1),           # segments past a sequence's end, an empty sequence
+    ("varlen-slow", 2, 2),           # no maps: segment 0's end state from pass 2 alone; a one-segment sequence
 ])
 def test_state_rs_emulated_same_bits(emulator, case, segments, seg_chunks, block_v):
     """kda_state_rs_kernel (the state transposed in wgmma registers, RS products, v^T as an MN-major A, O through
-    stmatrix.trans; split: its maps pass too) against kda_state_kernel<block_v> on the same records, both emulated: the
+    stmatrix.trans; split: its maps pass too, and pass 2 of segment 0 writing seg_H[0] in place of the maps pass's
+    segment 0, the later segments' pass 2 after the combine) against kda_state_kernel<block_v> (the maps pass over
+    every segment, then pass 2 over all of them) on the same records, both emulated: the
     operands, the rounding points and the order of every sum are the same, so o and the final state are bit-identical
     (NaN-poisoned outputs and segment states); a fragment, a swizzle, a stage or a store index out of place is not."""
     _ext_or_skip()

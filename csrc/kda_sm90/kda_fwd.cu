@@ -86,6 +86,10 @@ void run_kda_fwd(KdaFwdParams const& a) {
   FLA_CULA_REQUIRE(!a.state_rs || (a.pass == kKdaState && a.h_inter == nullptr && a.phase_cycles == nullptr &&
                                    (a.block_v == 128 || !a.maps)),
                    "kda_fwd: state_rs needs a state pass without h_inter or phase_cycles (maps: block_v 128)");
+  FLA_CULA_REQUIRE(a.pass != kKdaState || (a.segments >= 1 && a.seg_lo >= 0 && a.seg_lo < a.segments),
+                   "kda_fwd: expected 0 <= seg_lo < segments with the state pass");
+  FLA_CULA_REQUIRE((a.seg_lo == 0 && !a.seg_H_out) || (a.state_rs && a.pass == kKdaState),
+                   "kda_fwd: seg_lo > 0 and seg_H_out need the state_rs state pass");
   int64_t const ctas = pass_ctas(a);
   FLA_CULA_REQUIRE(ctas < (int64_t(1) << 31), "kda_fwd: too many CTAs: " + std::to_string(ctas));
   FLA_CULA_REQUIRE(a.q && a.k && a.v && a.g && a.beta && (a.o || a.pass == kKdaPrep || a.maps),

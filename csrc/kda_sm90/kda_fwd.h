@@ -69,11 +69,18 @@ struct KdaFwdParams {
   int64_t rec_slots;    // slots per value head: >= B * T / 64 + N
   int chunks_per_cta;   // kPrep: chunks per CTA; kState: chunks per segment (0: the whole sequence, units = 1)
   int units;            // CTAs per (sequence, value head[, V block]) along the sequence: kPrep chunk blocks; kState
-                        // segments P, or 2 P - 3 with maps
-  bool maps;            // kState pass 1: no o; unit s < P - 1 writes segment s's end state from its start state (h0
-                        // for s = 0, else 0) to seg_H[s]; unit P - 1 + m writes the transition map of segment
-                        // m + 1 (v = 0 from the identity) to seg_M[m]. Without maps, segment s >= 1 starts from
-                        // seg_H[s - 1] (the host's combine has made it the state at the segment's start)
+                        // this launch's segments (seg_lo .. P - 1, or segment 0 alone with seg_H_out), or with maps
+                        // its 2 P - 3 - seg_lo segment ends and maps
+  int segments;         // kState: P, the split's segments (1: whole sequences)
+  int seg_lo;           // kState: the first segment this launch runs (state_rs only when > 0); maps: 1 when segment
+                        // 0's end state comes from pass 2 of segment 0 (seg_H_out) instead of this pass
+  bool maps;            // kState pass 1: no o; unit u < P - 1 - seg_lo writes segment s = seg_lo + u's end state from
+                        // its start state (h0 for s = 0, else 0) to seg_H[s]; the next P - 2 units m write the
+                        // transition map of segment m + 1 (v = 0 from the identity) to seg_M[m]. Without maps,
+                        // segment s >= 1 starts from seg_H[s - 1] (the host's combine has made it the state at the
+                        // segment's start)
+  bool seg_H_out;       // kState pass 2 of segment 0 alone (state_rs, P > 1): its end state also to seg_H[0], the
+                        // maps pass running beside it with seg_lo = 1
   float* seg_H;         // [P-1][N*HV][128][128] fp32, K-major (row = key channel)
   float* seg_M;         // [P-2][N*HV][128][128] fp32, K-major: S_end = M S_start + H
   bool state_rs;        // kState (no h_inter, no phase_cycles; maps at block_v 128): kda_state_rs_kernel, the state

@@ -138,7 +138,7 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
                  int block_v, py::handle phase_cycles_obj, bool wgmma, int pass, py::handle rec_obj,
                  int chunks_per_cta, int units, bool maps, py::handle seg_H_obj, py::handle seg_M_obj,
                  py::handle h_inter_obj, py::handle chunk_offsets_obj, bool state_rs, py::handle q_hat_obj,
-                 py::handle k_hat_obj, py::handle q_rstd_obj, py::handle k_rstd_obj) {
+                 py::handle k_hat_obj, py::handle q_rstd_obj, py::handle k_rstd_obj, int seg_lo, int seg_hi) {
   TensorArg q = tensor_arg(q_obj, "q"), k = tensor_arg(k_obj, "k"), v = tensor_arg(v_obj, "v");
   auto const [B, T, H, HV] = expect_qk_and_heads(q, k, v, {dtype::kBFloat16});
   TensorArg g = tensor_arg(g_obj, "g");
@@ -277,6 +277,30 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
     if (pass == kKdaState && P > 1 && chunks_per_cta == 0) {
       throw py::value_error("chunks_per_cta: expected > 0 for a split state pass, got 0");
     }
+    // the launch's segments: pass 2 runs [seg_lo, seg_hi) of the P (seg_hi 0: P); [1, P) after the combine, or
+    // [0, 1) beside a maps pass with seg_lo = 1, segment 0's end state then also to seg_H[0]
+    if (seg_hi == 0) seg_hi = static_cast<int>(P);
+    std::string const range = "[" + std::to_string(seg_lo) + ", " + std::to_string(seg_hi) + ")";
+    if (pass != kKdaState && (seg_lo != 0 || seg_hi != P)) {
+      throw py::value_error("seg_lo, seg_hi: expected the defaults with the prep pass, got " + range);
+    }
+    if (maps && ((seg_lo != 0 && (seg_lo != 1 || P < 3)) || seg_hi != P)) {
+      throw py::value_error("seg_lo, seg_hi: expected seg_lo 0, or 1 with P >= 3, and seg_hi P = " +
+                            std::to_string(P) + " with maps, got " + range);
+    }
+    bool const whole = seg_lo == 0 && seg_hi == P;
+    if (pass == kKdaState && !maps && !whole && !(seg_lo >= 1 && seg_lo < P && seg_hi == P) &&
+        !(seg_lo == 0 && seg_hi == 1 && P > 1)) {
+      throw py::value_error("seg_lo, seg_hi: expected [0, P), [s, P) with 1 <= s < P, or [0, 1) with P > 1 (P = " +
+                            std::to_string(P) + "), got " + range);
+    }
+    if ((seg_lo != 0 || !whole) && !state_rs) {
+      throw py::value_error("seg_lo, seg_hi: expected the defaults without state_rs, got " + range);
+    }
+    p.segments = static_cast<int>(P);
+    p.seg_lo = seg_lo;
+    p.seg_H_out = pass == kKdaState && !maps && seg_hi < P;
+    if (pass == kKdaState) units = maps ? units - seg_lo : seg_hi - seg_lo;  // the launch's CTAs per pair
     // a segment-state buffer of `slots` segments: None (or an empty tensor) when there are none
     auto seg_state = [&](py::handle obj, char const* name, int64_t slots) -> float* {
       if (slots == 0) {
@@ -691,7 +715,7 @@ void register_kda_fwd(py::module_& m) {
         py::arg("maps") = false, py::arg("seg_H") = py::none(), py::arg("seg_M") = py::none(),
         py::arg("h_inter") = py::none(), py::arg("chunk_offsets") = py::none(), py::arg("state_rs") = false,
         py::arg("q_hat") = py::none(), py::arg("k_hat") = py::none(), py::arg("q_rstd") = py::none(),
-        py::arg("k_rstd") = py::none(),
+        py::arg("k_rstd") = py::none(), py::arg("seg_lo") = 0, py::arg("seg_hi") = 0,
         "Enqueue the fused KDA prefill forward v1 (csrc/kda_sm90/kda_fwd.h) on the current stream of q's device:\n"
         "bf16 q, k [B,T,H,128], v, raw gate g [B,T,HV,128], raw beta [B,T,HV] (bf16/fp32); gate\n"
         "a = lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) (A_log [HV], dt_bias [HV*128] or None);\n"
@@ -712,6 +736,9 @@ void register_kda_fwd(py::module_& m) {
         "chunks_per_cta 0: whole sequences), segment s > 0 starting from seg_H[s - 1]; maps=True: pass 1 of the\n"
         "split (units = 2 P - 3, block_v 128, o None), writing seg_H [P-1, N, HV, 128, 128] and seg_M [P-2, ...]\n"
         "(K-major, fp32).\n"
+        "seg_lo, seg_hi (state_rs only): pass 2 runs segments [seg_lo, seg_hi) (seg_hi 0: P): [s, P) with s >= 1\n"
+        "after the combine, or [0, 1) with P > 1, segment 0's end state then also to seg_H[0]; maps with seg_lo 1\n"
+        "(P >= 3) leaves segment 0's end state to that pass (units stays 2 P - 3).\n"
         "h_inter (bf16 [B, NT, HV, 128, 128] in the state layout) or None: bf16 of the state at every chunk start\n"
         "(return_intermediate_states), written by the passes that write o; varlen needs chunk_offsets ([N+1]\n"
         "int32/int64, FLA's prepare_chunk_offsets) and NT = its last entry.\n"

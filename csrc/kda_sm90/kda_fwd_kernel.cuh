@@ -669,12 +669,9 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   int seg = unit;
   bool mmap = false;
   if constexpr (kPass == kKdaState) {
-    if (p.maps) {
-      int const P = (p.units + 3) / 2;
-      if (unit >= P - 1) {
-        mmap = true;
-        seg = unit - (P - 1) + 1;
-      }
+    if (p.maps && unit >= p.segments - 1) {  // seg_lo = 0 here (state_rs only otherwise)
+      mmap = true;
+      seg = unit - (p.segments - 1) + 1;
     }
   }
   bool const with_o = kPass == kKdaFused || (kPass == kKdaState && !p.maps);  // runtime only in kState
@@ -687,8 +684,8 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   // pass-2 segment P - 1) also takes whatever lies beyond, so every chunk has a CTA whatever the host's units
   int c_lo = 0, c_hi = nchunks, last_seg = 0;
   if constexpr (kPass != kKdaFused) {
-    unit_chunks(p.chunks_per_cta, kPass == kKdaPrep ? unit : seg,
-                (kPass == kKdaState && p.maps ? (p.units + 3) / 2 : p.units) - 1, nchunks, c_lo, c_hi, last_seg);
+    unit_chunks(p.chunks_per_cta, kPass == kKdaPrep ? unit : seg, (kPass == kKdaState ? p.segments : p.units) - 1,
+                nchunks, c_lo, c_hi, last_seg);
     // nothing to do: a prep block past the sequence's chunks, a pass-2 segment past them (segment 0 of an empty
     // sequence still writes ht = h0). A maps CTA always writes: an empty segment's map is (M, H) = (I, 0).
     // Uniform per CTA, before any barrier.

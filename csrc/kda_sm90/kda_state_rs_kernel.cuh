@@ -185,9 +185,10 @@ __device__ __forceinline__ void to_frag(uint32_t (&a)[KB][4], float const (&acc)
 // The state passes of the two-kernel form (Params::pass = kState, no h_inter): CTA = (n, unit, hv, V block) as
 // kda_state_kernel<kBV>'s grid; kBV / 64 warpgroups of 64 state columns each (kBV 64: a pair's two CTAs share its
 // records through L2 and fill twice the SMs on small grids). kMaps = Params::maps (kBV 128): pass 1 of the split, no
-// o; unit s < P - 1 carries segment s from its start (h0 for s = 0, else 0) to seg_H[s], unit P - 1 + m the
-// transition map of segment m + 1 (v = 0 from the identity) to seg_M[m]. Otherwise pass 2: o, and ht from the last
-// segment.
+// o; unit u < P - 1 - seg_lo carries segment s = seg_lo + u from its start (h0 for s = 0, else 0) to seg_H[s], the
+// next P - 2 units the transition map of segment m + 1 (v = 0 from the identity) to seg_M[m]. Otherwise pass 2 of
+// segments seg_lo + unit: o, ht from the last segment, and with seg_H_out (segment 0 alone, beside the maps pass
+// with seg_lo = 1) segment 0's end state to seg_H[0].
 template <bool kMaps, int kBV = 128>
 __global__ void __launch_bounds__(kBV * 2, 1) kda_state_rs_kernel(__grid_constant__ KdaFwdParams const p) {
   static_assert(kBV == 64 || kBV == 128, "64 state columns per warpgroup, one or two warpgroups");
@@ -207,9 +208,9 @@ __global__ void __launch_bounds__(kBV * 2, 1) kda_state_rs_kernel(__grid_constan
   x /= p.HV;
   int const unit = x % p.units;
   int const n = x / p.units;
-  int const P = kMaps ? (p.units + 3) / 2 : p.units;
-  bool const mmap = kMaps && unit >= P - 1;  // a transition map: v = 0 from the identity
-  int const seg = mmap ? unit - (P - 1) + 1 : unit;
+  int const P = p.segments, ends = P - 1 - p.seg_lo;  // ends: the maps pass's segment-end units
+  bool const mmap = kMaps && unit >= ends;             // a transition map: v = 0 from the identity
+  int const seg = mmap ? unit - ends + 1 : p.seg_lo + unit;
 
   int64_t bos, eos;
   sequence_bounds(p, n, bos, eos);
@@ -374,13 +375,17 @@ __global__ void __launch_bounds__(kBV * 2, 1) kda_state_rs_kernel(__grid_constan
     bd = sd;
     bc = sc;
   }
-  if (base != nullptr) {
+  auto store = [&](float* b, int sd_, int sc_) {
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) base[(d0 + nt * 8 + (e & 1)) * bd + (col0 + (e >> 1) * 8) * bc] = S[nt][e];
+      for (int e = 0; e < 4; ++e) b[(d0 + nt * 8 + (e & 1)) * sd_ + (col0 + (e >> 1) * 8) * sc_] = S[nt][e];
     }
-  }
+  };
+  if (base != nullptr) store(base, bd, bc);
+  // pass 2 of segment 0 beside the maps pass: its end state is seg_H[0] (also when it is the sequence's last: the
+  // combine reads every pair's slot)
+  if (!kMaps && p.seg_H_out) store(p.seg_H + pair * kK * 128, 128, 1);
 }
 
 }  // namespace fla_cula::kda_sm90

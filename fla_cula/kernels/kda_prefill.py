@@ -181,6 +181,8 @@ def _pass_us(chunks: list[int], copies: int, sms: int, us: float, per_sm: int = 
         us = us_alone
     if len(set(chunks)) <= 1:
         return waves * (chunks[0] * us + fixed)
+    if waves == 1:  # one wave: the longest CTA
+        return max(chunks) * us + fixed
     return (sum(chunks) * copies / slots + max(chunks)) * us + waves * fixed
 
 
@@ -252,9 +254,19 @@ def _pass2_us(chunks: list[int], HV: int, sms: int, bv: int, state_rs: bool) -> 
 
 def _rs_pass_us(chunks: list[int], copies: int, sms: int, kind: str) -> float:
     """A pass of kda_state_rs_kernel (one CTA per SM) over these chunk counts, `copies` CTAs each."""
-    concurrent = min(len(chunks) * copies, sms)
-    us = max(RS_CHAIN_US[kind], RS_BYTES[kind] * concurrent / RS_DRAM_BYTES_PER_US)
-    return _pass_us(chunks, copies, sms, us, fixed=RS_WAVE_US)
+    return _rs_passes_us([(chunks, copies, kind)], sms)
+
+
+def _rs_passes_us(jobs: list[tuple[list[int], int, str]], sms: int) -> float:
+    """Passes of kda_state_rs_kernel running side by side (one CTA per SM), each (chunk counts, copies, kind): a
+    chunk step takes the longest chain of the kinds, or the bytes of the CTAs in flight at the DRAM rate."""
+    ctas = [len(c) * n for c, n, _ in jobs]
+    if not sum(ctas):
+        return 0.0
+    concurrent = min(sum(ctas), sms)
+    step_bytes = sum(RS_BYTES[k] * m for (_, _, k), m in zip(jobs, ctas, strict=True)) * concurrent / sum(ctas)
+    us = max(max(RS_CHAIN_US[k] for _, _, k in jobs), step_bytes / RS_DRAM_BYTES_PER_US)
+    return _pass_us([c for chunks, n, _ in jobs for c in chunks for _ in range(n)], 1, sms, us, fixed=RS_WAVE_US)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,13 +305,20 @@ def _two_kernel_plan(lens: tuple[int, ...], HV: int, sms: int, segments: int | N
         for bv in ([block_v] if block_v else (64, 128)):
             if P == 1:
                 t = _pass2_us(chunks, HV, sms, bv, state_rs)
+            elif state_rs:
+                # pass 2 of segment 0 beside the maps of segments 1 .. P - 2, then segments 1 .. P - 1 after the
+                # combine (run_two_kernel)
+                first = [min(seg, c) for c in chunks if c]
+                later = [min(seg, c - seg * s) for c in chunks for s in range(1, -(-c // seg))]
+                maps = [min(seg, c - seg * s) for c in chunks for s in range(1, min(P - 1, -(-c // seg)))]
+                kind = "pass2" if bv == 128 else "pass2_64"
+                t = (_rs_passes_us([(first, HV * (HEAD_DIM // bv), kind), (maps, HV * 2, "maps")], sms)
+                     + COMBINE_US[0] + COMBINE_US[1] * (P - 2) * combine_waves + _pass2_us(later, HV, sms, bv, True))
             else:
                 parts = [min(seg, c - seg * s) for c in chunks for s in range(-(-c // seg))]
                 maps = [min(seg, c - seg * s) for c in chunks for s in range(min(P - 1, -(-c // seg)))]
-                maps_us = (_rs_pass_us(maps, HV * 2, sms, "maps") if state_rs
-                           else _pass_us(maps, HV * 2, sms, MAPS_US_PER_CHUNK, fixed=MAPS_WAVE_US))
-                t = (maps_us + COMBINE_US[0] + COMBINE_US[1] * (P - 2) * combine_waves
-                     + _pass2_us(parts, HV, sms, bv, state_rs))
+                t = (_pass_us(maps, HV * 2, sms, MAPS_US_PER_CHUNK, fixed=MAPS_WAVE_US)
+                     + COMBINE_US[0] + COMBINE_US[1] * (P - 2) * combine_waves + _pass2_us(parts, HV, sms, bv, False))
             plan = TwoKernelPlan(P, seg, bv, prep_units, prep + t)
             if best is None or plan.us < best.us:
                 best = plan
@@ -333,27 +352,61 @@ def run_two_kernel(launch, N: int, HV: int, slots: int, device, plan: TwoKernelP
                    qk_kw: dict | None = None) -> None:
     """The two-kernel form: `launch(**kw)` runs one pass of the kernel (the extension's kda_fwd with this call's
     inputs bound; the CPU emulator in tests) with the keywords pass_kind, rec, chunks_per_cta, units, maps, seg_H,
-    seg_M, block_v, o, ht, Aqk, Akk, and out_kw (h_inter, chunk_offsets) for the pass that writes o; `combine(seg_H,
-    seg_M)` is the split's combine (the forward passes `_C.kda_combine`). qk_kw (q_hat, k_hat, q_rstd, k_rstd) go to
-    the prep pass with Aqk and Akk. state_rs: the maps pass and pass 2 on
-    kda_state_rs_kernel (pass 2 with h_inter keeps kda_state_kernel). Allocates the records (64.5 KB per chunk and
-    value head) and the segment states (64 KB per (sequence, value head) and segment, 2 P - 3 of them)."""
+    seg_M, block_v, o, ht, Aqk, Akk (seg_lo, seg_hi, state_rs where set), and out_kw (h_inter, chunk_offsets) for the
+    pass that writes o; `combine(seg_H, seg_M)` is the split's combine (the forward passes `_C.kda_combine`). qk_kw
+    (q_hat, k_hat, q_rstd, k_rstd) go to the prep pass with Aqk and Akk. state_rs: the maps pass and pass 2 on
+    kda_state_rs_kernel, and a split's pass 2 of segment 0 runs beside the maps of the later segments (`beside`), the
+    rest after the combine; pass 2 with h_inter keeps kda_state_kernel and the maps pass before it. Allocates the
+    records (64.5 KB per chunk and value head) and the segment states (64 KB per (sequence, value head) and segment,
+    2 P - 3 of them)."""
     rec = torch.empty(HV, slots, REC_BYTES, dtype=torch.uint8, device=device)
     launch(pass_kind=1, rec=rec, chunks_per_cta=PREP_CHUNKS, units=plan.prep_units, maps=False, seg_H=None,
            seg_M=None, block_v=64, o=None, ht=None, Aqk=Aqk, Akk=Akk, **(qk_kw or {}))
     P, seg_H = plan.segments, None
-    rs = {"state_rs": True} if state_rs else {}
+    out_kw = out_kw or {}
+    rs = {"state_rs": True} if state_rs and out_kw.get("h_inter") is None else {}
+    state = dict(pass_kind=2, rec=rec, chunks_per_cta=plan.seg_chunks, Aqk=None, Akk=None)
+    pass2 = dict(state, units=P, maps=False, seg_M=None, block_v=plan.block_v, o=o, ht=ht)
     if P > 1:
         seg_H = torch.empty(P - 1, N, HV, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
         seg_M = torch.empty(P - 2, N, HV, HEAD_DIM, HEAD_DIM, dtype=torch.float32, device=device)
-        launch(pass_kind=2, rec=rec, chunks_per_cta=plan.seg_chunks, units=2 * P - 3, maps=True, seg_H=seg_H,
-               seg_M=seg_M, block_v=128, o=None, ht=None, Aqk=None, Akk=None, **rs)
+        maps = dict(state, units=2 * P - 3, maps=True, seg_H=seg_H, seg_M=seg_M, block_v=128, o=None, ht=None,
+                    **({"state_rs": True} if state_rs else {}))
+        if rs:
+            # pass 2 of segment 0, its end state to seg_H[0], beside the maps of segments 1 .. P - 2
+            beside(device, lambda: launch(**pass2, seg_H=seg_H, seg_hi=1, **rs),
+                   (lambda: launch(**maps, seg_lo=1)) if P > 2 else None)
+        else:
+            launch(**maps)
         combine(seg_H, seg_M)
-    out_kw = out_kw or {}
-    if out_kw.get("h_inter") is not None:
-        rs = {}
-    launch(pass_kind=2, rec=rec, chunks_per_cta=plan.seg_chunks, units=P, maps=False, seg_H=seg_H, seg_M=None,
-           block_v=plan.block_v, o=o, ht=ht, Aqk=None, Akk=None, **rs, **out_kw)
+    launch(**pass2, seg_H=seg_H, **({"seg_lo": 1} if rs and P > 1 else {}), **rs, **out_kw)
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def beside(device, first, second=None) -> None:
+    """first() on the current stream and second() on a side stream of `device`, both after the work queued before and
+    before the work queued after (a fork and a join, which CUDA graph capture records as two branches); in order on
+    the CPU (the emulator), and during a capture that comes before any eager call has made the side stream."""
+    index = None
+    if second is not None and torch.device(device).type == "cuda":
+        index = torch.device(device).index
+        index = torch.cuda.current_device() if index is None else index
+        if index not in _SIDE_STREAMS and not torch.cuda.is_current_stream_capturing():
+            _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+    side = _SIDE_STREAMS.get(index)
+    if side is None:
+        first()
+        if second is not None:
+            second()
+        return
+    cur = torch.cuda.current_stream(index)
+    side.wait_stream(cur)
+    first()
+    with torch.cuda.stream(side):
+        second()
+    cur.wait_stream(side)
 
 
 def _route_reason(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu,

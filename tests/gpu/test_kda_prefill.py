@@ -527,8 +527,9 @@ def test_two_kernel(c, bv, segments, strict_mode, fla_fns):
 # order as kda_state_kernel<128> (the CPU emulation gives the same bits: tests/test_kda_prefill_compile.py
 # test_state_rs_emulated_same_bits); on the GPU the tensor cores may order a block's products differently in the
 # other operand roles, so the bar is the fp64 / FLA one, errors within 5% of kda_state_kernel's and o / final state
-# within a few bf16 roundings of its.
-@pytest.mark.parametrize("segments", [1, 3])
+# within a few bf16 roundings of its. A split with state_rs runs pass 2 of segment 0 beside the maps pass (P = 2: no
+# maps pass at all), kda_state_kernel the maps pass over every segment first.
+@pytest.mark.parametrize("segments", [1, 2, 3])
 @pytest.mark.parametrize("bv", [64, 128])
 @pytest.mark.parametrize("c", _params(TWO_KERNEL_CASES, {"T65-B1-vfirst", "empty-mid-i64", "slow-varlen-H4-lb-5"}))
 def test_state_rs(c, bv, segments, strict_mode, fla_fns):
@@ -604,6 +605,17 @@ def test_two_kernel_abi_errors():
         phase_cycles=torch.zeros(B * H * 2, C.KDA_FWD_PHASES, dtype=torch.int64, device=DEV))
     err(r"state_rs: expected a state pass .* got pass_kind 1", (None, None, None, None), pass_kind=1, rec=rec,
         state_rs=True)
+    # the split's segment range: pass 2 [0, P), [s >= 1, P) or [0, 1); maps seg_lo 1 with P >= 3; state_rs only
+    err(r"seg_lo, seg_hi: expected \[0, P\), \[s, P\) with 1 <= s < P, or \[0, 1\) with P > 1 \(P = 3\), got "
+        r"\[0, 2\)", (o, None, None, None), pass_kind=2, rec=rec, units=3, chunks_per_cta=1, seg_H=seg, seg_hi=2,
+        state_rs=True)
+    err(r"seg_lo, seg_hi: expected seg_lo 0, or 1 with P >= 3, and seg_hi P = 2 with maps, got \[1, 2\)",
+        (None, None, None, None), pass_kind=2, rec=rec, units=1, maps=True, chunks_per_cta=1, seg_H=seg[:1],
+        block_v=128, seg_lo=1, state_rs=True)
+    err(r"seg_lo, seg_hi: expected the defaults without state_rs, got \[1, 3\)", (o, None, None, None),
+        pass_kind=2, rec=rec, units=3, chunks_per_cta=1, seg_H=seg, seg_lo=1)
+    err(r"seg_lo, seg_hi: expected the defaults with the prep pass, got \[1, 1\)", (None, None, None, None),
+        pass_kind=1, rec=rec, seg_lo=1)
     hat = dict(q_hat=torch.empty_like(q), k_hat=torch.empty_like(q), q_rstd=torch.empty(B, T, H, device=DEV),
                k_rstd=torch.empty(B, T, H, device=DEV))
     err(r"q_hat: expected None with phase_cycles", (o, None, None, None), pass_kind=0,
