@@ -361,18 +361,48 @@ def _plan():
 
 
 @pytest.mark.parametrize("cfg, match", [
-    (dict(use_gate_in_kernel=False), "v1: bounded \\(lower_bound\\) in-kernel gate only"),
-    (dict(lower_bound=None), "v1: bounded \\(lower_bound\\) in-kernel gate only"),
     (dict(lower_bound=-6.0, safe_gate=False), "lower_bound"),
     (dict(return_intermediate_states=True, chunk_size=32), "return_intermediate_states with chunk_size=32"),
     (dict(cp=True), "cp_context"),
     (dict(use_graph=True), "use_graph"),
-], ids=["precomputed-g", "softplus", "lb-out-of-range", "intermediate-chunk32", "cp", "graph"])
+], ids=["lb-out-of-range", "intermediate-chunk32", "cp", "graph"])
 def test_plan_reasons(cfg, match):
     import re
 
     r, go = _plan()(*_plan_args(**cfg))
     assert go is None and r is not None and re.search(match, r), r
+
+
+@pytest.mark.parametrize("cfg", [dict(lower_bound=None, safe_gate=False), dict(use_gate_in_kernel=False)],
+                         ids=["softplus", "precomputed"])
+def test_plan_unbounded_gates(cfg, monkeypatch):
+    """The unbounded gates: served in inference (the plan's memoized answer holds no reason), per call a reason under
+    grad and where set_tuning turned the two-kernel form off; the two-kernel plan is taken even where the fused kernel
+    would be predicted faster (it takes the bounded gate only)."""
+    from fla_cula.kernels import kda_prefill
+    plan = _plan()
+    monkeypatch.setattr(kda_prefill, "ROUTE_BY_COST", False)
+    args = _plan_args(**cfg)
+    r, go = plan(*args)
+    assert r is None, r
+    assert kda_prefill.gate_form(args[-1]) == ("softplus" if "lower_bound" in cfg else "precomputed")
+    assert go.size_reason(*args) is None
+    x = args[0].clone().requires_grad_(True)
+    assert go.size_reason(x, *args[1:]) == kda_prefill.UNBOUNDED_GRAD_REASON
+    try:
+        kda_prefill.set_tuning(two_kernel=False)
+        assert "two-kernel form only" in go.size_reason(*args)
+    finally:
+        kda_prefill.set_tuning()
+    if "lower_bound" not in cfg:  # precomputed: A_log / dt_bias are not read (as FLA), whatever their dtype
+        bad = list(args)
+        bad[5] = bad[5].to(torch.float16)
+        assert plan(*bad)[0] is None
+    # a grid where the fused kernel is predicted faster (B4 T64 HV4): the bounded gate takes it, an unbounded one the
+    # two-kernel plan
+    lens, HV = [64] * 4, 4
+    assert kda_prefill.two_kernel_choice(lens, HV, 132) is None
+    assert kda_prefill.two_kernel_choice(lens, HV, 132, wide=True) is not None
 
 
 def test_plan_reasons_tensors():
@@ -736,8 +766,9 @@ extern "C" void emu_run(void const* q, void const* k, void const* v, void const*
                         int bsig, float bscale, void const* cu, int cu64, long long* prof, int block_v, int wgmma,
                         int pass, void* rec, long long rec_slots, int cpc, int units, int maps, float* seg_H,
                         float* seg_M, void* h_inter, void const* chunk_offsets, int NT, int state_rs, void* q_hat,
-                        void* k_hat, float* q_rstd, float* k_rstd, int seg_lo, int seg_hi) {
+                        void* k_hat, float* q_rstd, float* k_rstd, int seg_lo, int seg_hi, int gate) {
   KdaFwdParams p{};
+  p.gate = gate;
   p.q = q; p.k = k; p.qk_tok_stride = int64_t(H) * 128; p.qk_head_stride = 128;
   p.v = v; p.v_tok_stride = int64_t(HV) * 128; p.v_head_stride = 128;
   p.g = g; p.g_tok_stride = int64_t(HV) * 128; p.g_head_stride = 128;
@@ -776,7 +807,14 @@ extern "C" void emu_run(void const* q, void const* k, void const* v, void const*
         threadIdx.x = t;
         constexpr auto kG = kda_sm90::GateForm::SigmoidLB;
         bool const qk = p.q_hat != nullptr;  // the grad-extras instantiations, as kda_fwd.cu picks them
-        if (pass == kKdaPrep) {
+        using kda_sm90::GateForm;
+        if (pass == kKdaPrep && p.gate == 1) {
+          qk ? kda_sm90::kda_prep_kernel<GateForm::Softplus, false, true>(p)
+             : kda_sm90::kda_prep_kernel<GateForm::Softplus>(p);
+        } else if (pass == kKdaPrep && p.gate == 2) {
+          qk ? kda_sm90::kda_prep_kernel<GateForm::Precomputed, false, true>(p)
+             : kda_sm90::kda_prep_kernel<GateForm::Precomputed>(p);
+        } else if (pass == kKdaPrep) {
           qk ? kda_sm90::kda_prep_kernel<kG, false, true>(p) : kda_sm90::kda_prep_kernel<kG>(p);
         } else if (pass == kKdaState && p.state_rs) {
           if (p.maps) kda_sm90::kda_state_rs_kernel<true>(p);
@@ -842,7 +880,7 @@ def _ptr(x):
 def _emu_call(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, o, ht, Aqk, Akk, prof, *, scale, lb, l2, bsig, neg, svf,
               block_v, wgmma, pass_=0, rec=None, cpc=0, units=1, maps=False, seg_H=None, seg_M=None, h_inter=None,
               chunk_offsets=None, state_rs=False, q_hat=None, k_hat=None, q_rstd=None, k_rstd=None, seg_lo=0,
-              seg_hi=0):
+              seg_hi=0, gate=0):
     import ctypes
     ptr = _ptr
     B, T, H, _ = q.shape
@@ -854,7 +892,7 @@ def _emu_call(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, o, ht, Aqk, Akk, pr
                 ptr(cu), int(cu is not None and cu.dtype == torch.int64), ptr(prof), block_v, int(wgmma), pass_,
                 ptr(rec), ctypes.c_longlong(0 if rec is None else rec.shape[1]), cpc, units, int(maps), ptr(seg_H),
                 ptr(seg_M), ptr(h_inter), ptr(chunk_offsets), 0 if h_inter is None else h_inter.shape[1],
-                int(state_rs), ptr(q_hat), ptr(k_hat), ptr(q_rstd), ptr(k_rstd), seg_lo, seg_hi)
+                int(state_rs), ptr(q_hat), ptr(k_hat), ptr(q_rstd), ptr(k_rstd), seg_lo, seg_hi, gate)
 
 
 def _emulate(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bsig, neg, svf, block_v, wgmma=False,
@@ -1015,7 +1053,7 @@ def _h_buffers(q, cu, HV):
 
 
 def _emulate_two_kernel(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bsig, neg, svf, block_v,
-                        segments, seg_chunks=None, out_kw=None, state_rs=False, qk_kw=None):
+                        segments, seg_chunks=None, out_kw=None, state_rs=False, qk_kw=None, gate=0):
     """fla_cula's two-kernel orchestration (kda_prefill.run_two_kernel: prep, maps, combine, pass 2) with every
     pass emulated; records poisoned (0xff) and segment states NaN before the pass that writes them."""
     import dataclasses
@@ -1044,11 +1082,74 @@ def _emulate_two_kernel(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale,
                 t.fill_(float("nan"))
         _emu_call(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, o, ht, Aqk, Akk, None, scale=scale, lb=lb, l2=l2,
                   bsig=bsig, neg=neg, svf=svf, block_v=block_v, wgmma=True, pass_=pass_kind, rec=rec,
-                  cpc=chunks_per_cta, units=units, maps=maps, seg_H=seg_H, seg_M=seg_M, **kw)
+                  cpc=chunks_per_cta, units=units, maps=maps, seg_H=seg_H, seg_M=seg_M,
+                  gate=gate if pass_kind == 1 else 0, **kw)
 
     kp.run_two_kernel(launch, N, HV, kp.record_slots(B, T, N), "cpu", plan, o, ht, Aqk, Akk, out_kw,
                       functools.partial(_emu_combine, lib), state_rs=state_rs, qk_kw=qk_kw)
     return o, ht, Aqk, Akk
+
+
+def _wide_gate_case(form):
+    """Unbounded gates (softplus without lower_bound, or a precomputed log decay) with drops of ~100 (natural log) at
+    a few (token, channel) places inside 16-row blocks: those blocks' spans pass kSpanMax (120 log2 units) on those
+    channels, the others stay under it. Returns the inputs, the gate in log2 units (fp32, as the kernel forms it) and
+    the reference's gate flags."""
+    q, k, v, g, beta, A_log, dt_bias, h0 = _inputs(1, 150, 1, 2, "random", seed=7)
+    drops = [(5, 0), (5, 1), (37, 3), (70, 64), (101, 127), (140, 9)]  # (token, channel), mid-block, both heads
+    if form == "softplus":
+        A_log = torch.full((2,), 0.5)
+        g = g.float()
+        for t, c in drops:
+            g[0, t, :, c] = 60.0 - dt_bias.reshape(2, 128)[:, c]  # softplus ~ 60: a ~ -exp(0.5) 60 ~ -99 (-143 log2)
+        g = g.to(torch.bfloat16)
+        z = g.float() + dt_bias.reshape(1, 1, 2, 128)
+        a2 = -A_log.exp().reshape(1, 1, 2, 1) * torch.nn.functional.softplus(z) * 1.4426950408889634
+        flags = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=None)
+    else:
+        g = -torch.nn.functional.softplus(g.float())  # log decay, mostly in (-4, 0)
+        for t, c in drops:
+            g[0, t, :, c] = -100.0
+        g = g.to(torch.bfloat16)
+        A_log = dt_bias = None
+        a2 = g.float() * 1.4426950408889634
+        flags = dict(use_gate_in_kernel=False)
+    return (q, k, v, g, beta, A_log, dt_bias, h0, None), a2, flags
+
+
+def _block_spans(a2):
+    """A_r - B_r (the kernel's integer anchors) of every (chunk, 16-row block, head, channel) of a fixed-length a2
+    [1, T, HV, K] in log2 units: G is the chunk-local cumsum, A_r = ceil(G_16r), B_r = floor(G_16(r+1)) (floor(G_63)
+    for the last block), rows past the end frozen."""
+    T = a2.shape[1]
+    a = torch.nn.functional.pad(a2[0], (0, 0, 0, 0, 0, (-T) % 64)).reshape(-1, 64, *a2.shape[2:])
+    G = a.cumsum(1)
+    A = torch.ceil(G[:, ::16])
+    nxt = torch.cat([G[:, 16::16], G[:, 63:64]], 1)
+    return A - torch.floor(nxt)
+
+
+@pytest.mark.parametrize("segments", [1, 2])
+@pytest.mark.parametrize("form", ["softplus", "precomputed"])
+def test_unbounded_gate_prep_emulated_matches_fp64(emulator, form, segments):
+    """The prep kernel's unbounded gate forms (softplus, precomputed) through the two-kernel form, emulated, against
+    the fp64 recurrence. The inputs make a few channels' block spans pass kSpanMax: there the anchored diagonal
+    products would overflow their 2^(A_r - B_r) scalar, and the kernel takes those channels' diagonal share from the
+    exact pairwise sums instead. Both kinds of block must occur, and o and the final state must meet the 0.005 bar."""
+    _ext_or_skip()
+    args, a2, flags = _wide_gate_case(form)
+    spans = _block_spans(a2)
+    assert (spans > 120).sum() >= 6 and (spans <= 120).float().mean() > 0.9, spans.max()
+    q, k, v, g, beta, A_log, dt_bias, h0, cu = args
+    kw = dict(scale=128 ** -0.5, lb=-5.0, l2=True, bsig=True, neg=False, svf=False)
+    o, ht, _, _ = _emulate_two_kernel(emulator, *args, block_v=64, segments=segments, gate=1 if form == "softplus"
+                                      else 2, **kw)
+    o_ref, ht_ref = kda_recurrent(q, k, v, g, beta, scale=kw["scale"], initial_state=h0, output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **flags)
+    eo, eh = rel_rms(o_ref, o.float()), rel_rms(ht_ref, ht)
+    print(f"\n{form} segments {segments}: o {eo:.2e}  ht {eh:.2e}  wide blocks {(spans > 120).sum().item()}")
+    assert not o.isnan().any() and not ht.isnan().any()
+    assert eo < 0.005 and eh < 0.005, (eo, eh)
 
 
 @pytest.mark.parametrize("block_v", [64, 128])

@@ -68,13 +68,20 @@ KdaFwdSpecialization const kKdaFwdSpecialization[kKdaFwdSpecializations] = {
     {"sigmoid_lb", false, kThreads, 64, true, kKdaFused, kSmemBytes<64, true>, false, false, true},
     {"sigmoid_lb", false, kThreads, 128, true, kKdaFused, kSmemBytes<128, true>, false, false, true},
     {"sigmoid_lb", false, kThreads, 0, true, kKdaPrep, kPrepSmemBytes, false, false, true},
+    {"softplus", false, kThreads, 0, true, kKdaPrep, kPrepSmemBytes, false, false, false},
+    {"softplus", false, kThreads, 0, true, kKdaPrep, kPrepSmemBytes, false, false, true},
+    {"precomputed", false, kThreads, 0, true, kKdaPrep, kPrepSmemBytes, false, false, false},
+    {"precomputed", false, kThreads, 0, true, kKdaPrep, kPrepSmemBytes, false, false, true},
 };
 
 void run_kda_fwd(KdaFwdParams const& a) {
   FLA_CULA_REQUIRE(a.N >= 0 && a.HV > 0 && a.H > 0 && a.HV % a.H == 0,
                    "kda_fwd: expected N >= 0 and HV a positive multiple of H, got N=" + std::to_string(a.N) +
                        " H=" + std::to_string(a.H) + " HV=" + std::to_string(a.HV));
-  FLA_CULA_REQUIRE(a.lower_bound >= -5.f && a.lower_bound < 0.f,
+  FLA_CULA_REQUIRE(a.gate >= 0 && a.gate <= 2 && (a.gate == 0 || a.pass == kKdaPrep),
+                   "kda_fwd: expected gate 0 (bounded sigmoid), or 1 (softplus) / 2 (precomputed) with the prep pass, "
+                   "got gate " + std::to_string(a.gate) + " pass " + std::to_string(a.pass));
+  FLA_CULA_REQUIRE(a.gate != 0 || (a.lower_bound >= -5.f && a.lower_bound < 0.f),
                    "kda_fwd: expected -5 <= lower_bound < 0 (the overflow-free bound), got " +
                        std::to_string(a.lower_bound));
   FLA_CULA_REQUIRE(a.block_v == 64 || a.block_v == 128,
@@ -94,6 +101,7 @@ void run_kda_fwd(KdaFwdParams const& a) {
   FLA_CULA_REQUIRE(ctas < (int64_t(1) << 31), "kda_fwd: too many CTAs: " + std::to_string(ctas));
   FLA_CULA_REQUIRE(a.q && a.k && a.v && a.g && a.beta && (a.o || a.pass == kKdaPrep || a.maps),
                    "kda_fwd: null device pointer");
+  FLA_CULA_REQUIRE(a.gate == 0 || a.phase_cycles == nullptr, "kda_fwd: phase_cycles needs the bounded sigmoid gate");
   FLA_CULA_REQUIRE(a.q_hat == nullptr || (a.pass != kKdaState && a.phase_cycles == nullptr),
                    "kda_fwd: q_hat (the grad extras) needs the fused or prep pass without phase_cycles");
   if (ctas == 0) return;
@@ -101,6 +109,17 @@ void run_kda_fwd(KdaFwdParams const& a) {
   require_compute_capability(a.device, 9, 0, "kda_fwd");
   constexpr auto kG = kda_sm90::GateForm::SigmoidLB;
   FLA_CULA_BOOL_SWITCH(a.phase_cycles != nullptr, kProfile, [&] {
+    if (a.pass == kKdaPrep && a.gate != 0) {  // the unbounded gates (untimed: the REQUIRE above keeps profile off)
+      using kda_sm90::GateForm, kda_sm90::kda_prep_kernel, kda_sm90::kPrepSmemBytes;
+      FLA_CULA_BOOL_SWITCH(a.q_hat != nullptr, kQk, [&] {
+        if (a.gate == 1) {
+          launch<kda_prep_kernel<GateForm::Softplus, false, kQk>, kPrepSmemBytes>(a, ctas, "kda_prep_kernel");
+        } else {
+          launch<kda_prep_kernel<GateForm::Precomputed, false, kQk>, kPrepSmemBytes>(a, ctas, "kda_prep_kernel");
+        }
+      });
+      return;
+    }
     if (a.pass == kKdaPrep) {
       if (a.q_hat != nullptr) {
         launch<kda_sm90::kda_prep_kernel<kG, false, true>, kda_sm90::kPrepSmemBytes>(a, ctas, "kda_prep_kernel");

@@ -57,6 +57,7 @@ struct KdaFwdParams {
   // problem
   int B, T, N, H, HV;
   float scale, lower_bound, beta_scale;  // beta_scale 1, or 2 with allow_neg_eigval
+  int gate;  // GateForm: 0 bounded sigmoid (lower_bound), 1 softplus, 2 precomputed (1, 2: the prep pass only)
   bool use_qk_l2norm, use_beta_sigmoid;
   void const* cu_seqlens;  // [N+1] int32 or int64, or null (fixed length)
   bool cu_seqlens_int64;
@@ -128,7 +129,7 @@ struct KdaFwdSpecialization {
   bool maps;         // kda_state_rs_kernel<true>: the split's maps pass (Params::maps)
   bool qk_hat;       // writes the grad extras q^, k^, rstd (Params::q_hat; the fused and prep kernels, untimed)
 };
-constexpr int kKdaFwdSpecializations = 22;
+constexpr int kKdaFwdSpecializations = 26;
 
 // Phases of a chunk timed by phase_cycles, in order: gate + block scan, scan offsets + anchors + rstd,
 // anchored factors (+ block scalars), Aqk+L,

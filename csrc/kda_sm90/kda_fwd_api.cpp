@@ -138,7 +138,8 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
                  int block_v, py::handle phase_cycles_obj, bool wgmma, int pass, py::handle rec_obj,
                  int chunks_per_cta, int units, bool maps, py::handle seg_H_obj, py::handle seg_M_obj,
                  py::handle h_inter_obj, py::handle chunk_offsets_obj, bool state_rs, py::handle q_hat_obj,
-                 py::handle k_hat_obj, py::handle q_rstd_obj, py::handle k_rstd_obj, int seg_lo, int seg_hi) {
+                 py::handle k_hat_obj, py::handle q_rstd_obj, py::handle k_rstd_obj, int seg_lo, int seg_hi,
+                 std::string const& gate) {
   TensorArg q = tensor_arg(q_obj, "q"), k = tensor_arg(k_obj, "k"), v = tensor_arg(v_obj, "v");
   auto const [B, T, H, HV] = expect_qk_and_heads(q, k, v, {dtype::kBFloat16});
   TensorArg g = tensor_arg(g_obj, "g");
@@ -371,7 +372,15 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
     expect_tensor(pc, {dtype::kInt64}, {rows, kKdaFwdPhases}, "(CTAs of the pass, phases)", &q);
     p.phase_cycles = pc.ptr<long long>();
   }
-  if (!(lower_bound >= -5.0 && lower_bound < 0.0)) {
+  int const gate_form = gate == "sigmoid_lb" ? 0 : gate == "softplus" ? 1 : gate == "precomputed" ? 2 : -1;
+  if (gate_form < 0) {
+    throw py::value_error("gate: expected 'sigmoid_lb', 'softplus' or 'precomputed', got '" + gate + "'");
+  }
+  if (gate_form != 0 && (pass != kKdaPrep || !phase_cycles_obj.is_none())) {
+    throw py::value_error("gate '" + gate + "': expected pass_kind 1 (the prep pass) without phase_cycles, got pass_kind " +
+                          std::to_string(pass));
+  }
+  if (gate_form == 0 && !(lower_bound >= -5.0 && lower_bound < 0.0)) {
     throw py::value_error("lower_bound: expected -5 <= lower_bound < 0, got " + std::to_string(lower_bound));
   }
   if (beta_scale != 1.0 && beta_scale != 2.0) {
@@ -405,6 +414,7 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
   p.HV = static_cast<int>(HV);
   p.scale = static_cast<float>(scale);
   p.lower_bound = static_cast<float>(lower_bound);
+  p.gate = gate_form;
   p.beta_scale = static_cast<float>(beta_scale);
   p.use_qk_l2norm = use_qk_l2norm;
   p.use_beta_sigmoid = use_beta_sigmoid;
@@ -715,10 +725,12 @@ void register_kda_fwd(py::module_& m) {
         py::arg("maps") = false, py::arg("seg_H") = py::none(), py::arg("seg_M") = py::none(),
         py::arg("h_inter") = py::none(), py::arg("chunk_offsets") = py::none(), py::arg("state_rs") = false,
         py::arg("q_hat") = py::none(), py::arg("k_hat") = py::none(), py::arg("q_rstd") = py::none(),
-        py::arg("k_rstd") = py::none(), py::arg("seg_lo") = 0, py::arg("seg_hi") = 0,
+        py::arg("k_rstd") = py::none(), py::arg("seg_lo") = 0, py::arg("seg_hi") = 0, py::arg("gate") = "sigmoid_lb",
         "Enqueue the fused KDA prefill forward v1 (csrc/kda_sm90/kda_fwd.h) on the current stream of q's device:\n"
         "bf16 q, k [B,T,H,128], v, raw gate g [B,T,HV,128], raw beta [B,T,HV] (bf16/fp32); gate\n"
         "a = lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) (A_log [HV], dt_bias [HV*128] or None);\n"
+        "gate 'softplus' (a = -exp(A_log) * softplus(g + dt_bias)) or 'precomputed' (a = g): the prep pass only\n"
+        "(pass_kind 1), lower_bound unused; 'sigmoid_lb' (default) as above.\n"
         "initial_state / final_state fp32 [N,HV,128,128] (V-first with state_v_first) or None; writes o\n"
         "(bf16 [B,T,HV,128]) and, when given, Aqk/Akk (bf16 [B,T,HV,64], FLA's layout). All contiguous.\n"
         "q_hat, k_hat (bf16 [B,T,H,128]) and q_rstd, k_rstd (fp32 [B,T,H]), all or none, with use_qk_l2norm and\n"

@@ -43,6 +43,8 @@
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
+#else
+#include <atomic>
 #endif
 
 namespace fla_cula::kda_sm90 {
@@ -60,7 +62,16 @@ constexpr int kLdG = kK + 4;    // fp32 rows of 128 channels (+16 B: token-pair 
 constexpr int kPairs = 10;      // (r, s) sub-block pairs with s <= r, numbered r (r + 1) / 2 + s
 constexpr float kLog2e = 1.4426950408889634f;
 
-enum class GateForm { SigmoidLB };
+// Gate forms (per token and channel, natural log units; the kernel works in log2 units):
+//   SigmoidLB    a = lb sigmoid(exp(A_log) (g + dt_bias)), -5 <= lb < 0: bounded, |a| <= 5
+//   Softplus     a = -exp(A_log) softplus(g + dt_bias) (FLA's form without lower_bound): unbounded
+//   Precomputed  a = g (the caller's log decay): unbounded
+// Unbounded forms run in the prep kernel only (the two-kernel form); kWide below.
+enum class GateForm { SigmoidLB, Softplus, Precomputed };
+// A 16-row block's span A_r - B_r of a channel (its anchors, log2 units) at most this: every anchored factor and
+// the diagonal block scalar 2^(A_r - B_r) stay in bf16's normal range. The bounded gate never exceeds it
+// (16 x 5 log2(e) + 2 < 118); an unbounded gate's wider channels take the exact pairwise path (kWide).
+constexpr int kSpanMax = 120;
 
 // kBV: V columns per CTA (64: two CTAs per (sequence, value head), each recomputing the K-side prep;
 // 128: one CTA does the prep once and carries the whole state). kWgmma: the operand tiles of phases 6-8 (marked
@@ -418,6 +429,26 @@ __device__ __forceinline__ float rcp(float x) {
 #endif
 }
 
+// *a += v in shared memory, atomically (red.shared.add.f32)
+__device__ __forceinline__ void red_add_shared(float* a, float v) {
+#ifdef FLA_CULA_KDA_HOST_EMULATION
+  std::atomic_ref<float>(*a).fetch_add(v, std::memory_order_relaxed);
+#else
+  atomicAdd(a, v);
+#endif
+}
+
+// log2(x) on the MUFU unit (lg2.approx.ftz)
+__device__ __forceinline__ float lg2(float x) {
+#ifdef FLA_CULA_KDA_HOST_EMULATION
+  return log2f(x);
+#else
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
 __device__ __forceinline__ float sigmoidf_(float z) { return rcp(1.f + ex2(-z * kLog2e)); }
 
 __device__ __forceinline__ float load_param(void const* p, bool fp32, int64_t i) {
@@ -539,6 +570,9 @@ template <GateForm kGate, bool kProfile, int kBV, bool kWgmma, KdaPass kPass, bo
 __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   static_assert(kBV == 64 || kBV == 128, "V columns per CTA: 64 or 128");
   static_assert(!kQkHat || kPass != kKdaState, "q^, k^ come from the prep or the fused pass");
+  // kWide: an unbounded gate (a channel's span in a block may pass kSpanMax): the prep kernel only
+  constexpr bool kWide = kGate != GateForm::SigmoidLB;
+  static_assert(!kWide || (kPass == kKdaPrep && !kProfile), "unbounded gates: the untimed prep kernel only");
   constexpr int kVBlocks = kK / kBV;
   constexpr int kNS = kBV / 8;   // n-tiles of 8 columns of the state rows a warp owns
   constexpr int kNO = kBV / 16;  // n-tiles of the V' / O tile a warp owns (half of the columns)
@@ -617,6 +651,12 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   };
   // X's diagonal 16-blocks D_r live in L's diagonal blocks (phase 4 inverts them in place); the others in X
   auto Xd_at = [&](int i, int j) -> float& { return (i >> 4) == (j >> 4) ? L_at(i, j) : X_at(i, j); };
+  // kWide: the wide channels' exact share of the diagonal blocks, corr(0, r, i, j) of Aqk_rr and corr(1, r, i, j) of
+  // L_rr (before beta), in akkb's storage (8 KB: free from the chunk's start to phase 5b). Zeroed in phase 2, summed
+  // in phase 3 (shared-memory atomics), added to the diagonal products in phase 4.
+  auto corr = [&](int m, int r, int i, int j) -> float& {
+    return reinterpret_cast<float*>(&sm.akkb[0][0])[((m * 4 + r) * kBC + i) * kBC + j];
+  };
   // raw q, k of tokens i, i + 1 at channels d, d + 1 and the row scales scale * rstd_q, rstd_k (phases 3 and 5a)
   struct RawPair {
     float2 q0, q1, k0, k1;
@@ -1089,10 +1129,27 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       //      the blocks before it (left to right, so G_{16r - 1} and the offset of block r are the same fp32 sum
       //      and G stays non-increasing across blocks). Rows >= `rows` get a = 0 (G frozen past the end).
       float2 Gr[kBC];
+      if constexpr (kWide) {
+        static_assert(sizeof(sm.akkb) == 2 * 4 * kBC * kBC * sizeof(float), "corr fills akkb's storage");
+#pragma unroll
+        for (int e = 0; e < 2; ++e) reinterpret_cast<float4*>(&corr(0, 0, 0, 0))[tid + e * kThreads] = float4{};
+      }
       {
         int const r = tid >> 6, d = 2 * (tid & 63);
-        // sigmoid(z) = 1 / (1 + 2^(c g + c b)) with c = -exp(A_log) log2(e): one fma per gate
+        // sigmoid(z) = 1 / (1 + 2^(c g + c b)) with c = -exp(A_log) log2(e): one fma per gate. Softplus in log2
+        // units: -exp(A_log) log2(1 + 2^z2), z2 = (g + b) log2(e) (z2 itself from 15 on, as FLA's softplus2)
         float const lbl = p.lower_bound * kLog2e, c = -sm.expA * kLog2e, cb0 = c * sm.dtb[d], cb1 = c * sm.dtb[d + 1];
+        float const b20 = sm.dtb[d] * kLog2e, b21 = sm.dtb[d + 1] * kLog2e;
+        auto gate2 = [&](float x, float cb, float b2) -> float {
+          if constexpr (kGate == GateForm::SigmoidLB) {
+            return lbl * rcp(1.f + ex2(fmaf(c, x, cb)));
+          } else if constexpr (kGate == GateForm::Softplus) {
+            float const z2 = fmaf(x, kLog2e, b2);
+            return -sm.expA * (z2 < 15.f ? lg2(1.f + ex2(z2)) : z2);
+          } else {
+            return x * kLog2e;
+          }
+        };
         float2 acc = make_float2(0.f, 0.f);
 #pragma unroll
         for (int u = 0; u < kBC; ++u) {
@@ -1100,7 +1157,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
           // 16 independent sigmoids
           bool const in = kBC * r + u < rows;
           float2 const x = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u3.graw[kBC * r + u][d]));
-          float const ax = lbl * rcp(1.f + ex2(fmaf(c, x.x, cb0))), ay = lbl * rcp(1.f + ex2(fmaf(c, x.y, cb1)));
+          float const ax = gate2(x.x, cb0, b20), ay = gate2(x.y, cb1, b21);
           acc.x += in ? ax : 0.f;
           acc.y += in ? ay : 0.f;
           Gr[u] = acc;
@@ -1171,15 +1228,17 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
           Gr[u].y += off.y;
           if constexpr (kPass != kKdaPrep) *reinterpret_cast<float2*>(&sm.u2.G[kBC * r + u][d]) = Gr[u];
         }
-        sm.anc_a[r][d] = int(ceilf(Gr[0].x));
-        sm.anc_a[r][d + 1] = int(ceilf(Gr[0].y));
+        // kWide: G clamped at -2^30 for the integer anchors (spans stay int; past kSpanMax the pairwise path)
+        auto cl = [](float x) { return kWide ? fmaxf(x, -1073741824.f) : x; };
+        sm.anc_a[r][d] = int(ceilf(cl(Gr[0].x)));
+        sm.anc_a[r][d + 1] = int(ceilf(cl(Gr[0].y)));
         if (r > 0) {
-          sm.anc_b[r - 1][d] = int(floorf(Gr[0].x));
-          sm.anc_b[r - 1][d + 1] = int(floorf(Gr[0].y));
+          sm.anc_b[r - 1][d] = int(floorf(cl(Gr[0].x)));
+          sm.anc_b[r - 1][d + 1] = int(floorf(cl(Gr[0].y)));
         }
         if (r == 3) {
-          sm.anc_b[3][d] = int(floorf(Gr[kBC - 1].x));
-          sm.anc_b[3][d + 1] = int(floorf(Gr[kBC - 1].y));
+          sm.anc_b[3][d] = int(floorf(cl(Gr[kBC - 1].x)));
+          sm.anc_b[3][d + 1] = int(floorf(cl(Gr[kBC - 1].y)));
           sm.gamma[d] = ex2(Gr[kBC - 1].x);
           sm.gamma[d + 1] = ex2(Gr[kBC - 1].y);
           if constexpr (kPass == kKdaPrep) {
@@ -1202,8 +1261,10 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
           if (s <= r) {
-            sm.pw[r * (r + 1) / 2 + s][w] =
-                pow2i_bf16(ia0 - sm.anc_b[s][d]) | pow2i_bf16(ia1 - sm.anc_b[s][d + 1]) << 16;
+            int const e0 = ia0 - sm.anc_b[s][d], e1 = ia1 - sm.anc_b[s][d + 1];
+            // kWide: a wide channel leaves the diagonal block's product (its exact share is in corr)
+            bool const w0 = kWide && s == r && e0 > kSpanMax, w1 = kWide && s == r && e1 > kSpanMax;
+            sm.pw[r * (r + 1) / 2 + s][w] = (w0 ? 0u : pow2i_bf16(e0)) | (w1 ? 0u : pow2i_bf16(e1)) << 16;
           }
         }
       }
@@ -1223,6 +1284,31 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
         uint32_t const pa01 = pb0 | pb1 << 16, pa00 = pb0 | pb0 << 16, pa11 = pb1 | pb1 << 16;
         float const b0 = float(sm.anc_b[r][d]), b1 = float(sm.anc_b[r][d + 1]);
         float const hb0 = ex2(sm.g63[d] - b0), hb1 = ex2(sm.g63[d + 1] - b1);  // 2^(G_63 - B_r)
+        if constexpr (kWide) {
+          // this thread's wide channels (span A_r - B_r past kSpanMax; rare): their exact share of the diagonal
+          // blocks, q^_i k^_j 2^(G_i - G_j) (j <= i) of Aqk_rr and k^_i k^_j 2^(G_i - G_j) (j < i) of L_rr (exponents
+          // <= 0: G is non-increasing), the scaled rows as phase 3's factors take them
+#pragma unroll
+          for (int ch = 0; ch < 2; ++ch) {
+            int const cc = d + ch;
+            if ((ch ? ia1 : ia0) - sm.anc_b[r][cc] <= kSpanMax) continue;
+#pragma unroll
+            for (int i = 0; i < kBC; ++i) {
+              int const ti = kBC * r + i;
+              float const gi = ch ? Gr[i].y : Gr[i].x;
+              float const qi = __bfloat162float(sm.u1.raw.q[ti][cc]) * (p.scale * sm.rstd_q[ti]);
+              float const ki = __bfloat162float(sm.u1.raw.k[ti][cc]) * sm.rstd_k[ti];
+#pragma unroll
+              for (int j = 0; j <= i; ++j) {
+                int const tj = kBC * r + j;
+                float const kj = __bfloat162float(sm.u1.raw.k[tj][cc]) * sm.rstd_k[tj];
+                float const e = ex2(gi - (ch ? Gr[j].y : Gr[j].x));
+                red_add_shared(&corr(0, r, i, j), qi * kj * e);
+                if (j < i) red_add_shared(&corr(1, r, i, j), ki * kj * e);
+              }
+            }
+          }
+        }
 #pragma unroll
         for (int u = 0; u < kBC; u += 2) {
           int const i = kBC * r + u;
@@ -1304,6 +1390,15 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
             uint32_t const a2 = scale_pair(a[2], s89), a3 = scale_pair(a[3], s89);
             mma_bf16_16816(acc[0], a0, a1, a2, a3, b[0], b[1]);
             mma_bf16_16816(acc[1], a0, a1, a2, a3, b[2], b[3]);
+          }
+        }
+        if constexpr (kWide) {
+          if (r == s) {  // the wide channels' share (zero where none is wide)
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) acc[nt][e] += corr(is_l, r, g8 + (e >> 1) * 8, nt * 8 + 2 * t4 + (e & 1));
+            }
           }
         }
 #pragma unroll

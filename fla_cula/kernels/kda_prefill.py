@@ -7,7 +7,9 @@ the state on chip across chunks; l2norm, beta sigmoid and the bounded gate fused
 Scope of v1 (everything else returns a reason and runs FLA):
   - q, k, v, g bfloat16, K = V = 128, HV % H == 0 (GVA); beta bf16 or fp32 [B,T,HV];
   - use_gate_in_kernel with lower_bound in [-5, 0): a = lb * sigmoid(exp(A_log) * (g + dt_bias))
-    (A_log / dt_bias fp32 or bf16, or None); safe_gate either way;
+    (A_log / dt_bias fp32 or bf16, or None); safe_gate either way; and, on the two-kernel form in inference, the
+    unbounded gates: use_gate_in_kernel without lower_bound (a = -exp(A_log) * softplus(g + dt_bias)) and a
+    precomputed log decay g (``gate_form``), inference only (UNBOUNDED_GRAD_REASON);
   - use_qk_l2norm_in_kernel and use_beta_sigmoid_in_kernel (allow_neg_eigval) on or off;
   - initial_state fp32 in either layout or None; output_final_state; return_intermediate_states (inference: the
     chunk-start states h, bf16); fixed length and varlen;
@@ -42,7 +44,9 @@ if not hasattr(_C, "kda_fwd"):
 
 HEAD_DIM = 128
 CHUNK = 64
-GATE_REASON = "v1: bounded (lower_bound) in-kernel gate only"
+UNBOUNDED_GRAD_REASON = ("unbounded gate (softplus / precomputed g) under grad: the backward's chunk-local step "
+                         "needs a per-token gate bound (FLA's would run it; that pairing is not yet verified)")
+UNBOUNDED_OFF_REASON = "unbounded gate (softplus / precomputed g): the two-kernel form only (turned off by set_tuning)"
 _BF16 = torch.bfloat16
 _PARAM_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -102,15 +106,23 @@ def _aligned(x: torch.Tensor, n: int = 16) -> bool:
     return not x.is_contiguous() or x.data_ptr() % n == 0
 
 
+def gate_form(cfg: KDAChunkConfig) -> str:
+    """The kernel's gate form of a call: 'sigmoid_lb' (use_gate_in_kernel with lower_bound: bounded, every form of
+    the kernel), 'softplus' (use_gate_in_kernel without it) or 'precomputed' (g is the log decay); the last two are
+    unbounded: the prep kernel only (the two-kernel form), inference only."""
+    if not cfg.use_gate_in_kernel:
+        return "precomputed"
+    return "softplus" if cfg.lower_bound is None else "sigmoid_lb"
+
+
 def plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, cfg: KDAChunkConfig):
     """(reason, None) or (None, fwd) for routing.route; fwd(..., cfg, need_grad) -> KDAForward."""
     if cfg.cp:
         return "cp_context: context-parallel KDA stays on FLA", None
     if cfg.use_graph:
         return "use_graph: FLA's fixed-shape varlen path stays on FLA", None
-    if not cfg.use_gate_in_kernel or cfg.lower_bound is None:
-        return GATE_REASON, None
-    if not -5.0 <= cfg.lower_bound < 0.0:
+    gate = gate_form(cfg)
+    if gate == "sigmoid_lb" and not -5.0 <= cfg.lower_bound < 0.0:
         return f"lower_bound {cfg.lower_bound}: kernel needs -5 <= lower_bound < 0 (overflow-free gate anchors)", None
     if cfg.return_intermediate_states and cfg.chunk_size != CHUNK:
         return (f"return_intermediate_states with chunk_size={cfg.chunk_size}: the kernel's chunk starts are 64 "
@@ -127,6 +139,8 @@ def plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens
         return f"HV={HV} not a multiple of H={H}", None
     if beta.dtype not in _PARAM_DTYPES or beta.dim() != 3:
         return f"beta {beta.dtype} of rank {beta.dim()}: kernel supports bfloat16/float32 [B, T, HV]", None
+    if gate == "precomputed":
+        A_log = dt_bias = None  # read only with use_gate_in_kernel (as FLA)
     if A_log is not None and (A_log.dtype not in _PARAM_DTYPES or A_log.numel() != HV):
         return f"A_log {A_log.dtype} with {A_log.numel()} elements: kernel needs float32/bfloat16 with HV", None
     if dt_bias is not None and (dt_bias.dtype not in _PARAM_DTYPES or dt_bias.numel() != HV * K):
@@ -429,9 +443,15 @@ def _route_reason(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, c
         return "v1: varlen without cu_seqlens_cpu (no host lengths to predict the kernel's time with)"
     sms = _sm_count(q.device) if q.is_cuda else 132
     ours, fla = predicted_us(lens, v.shape[2], sms)
-    two = two_kernel_choice(lens, v.shape[2], sms)
+    wide = gate_form(cfg) != "sigmoid_lb"
+    two = two_kernel_choice(lens, v.shape[2], sms, wide)
+    if wide and two is None:
+        return UNBOUNDED_OFF_REASON
+    if wide and two.us >= ROUTE_GAIN * fla:
+        return (f"predicted {two.us / 1e3:.2f} ms (the two-kernel form; an unbounded gate) vs FLA {fla / 1e3:.2f} ms: "
+                "does not pay on this grid")
     ours = min(ours, two.us) if two is not None else ours
-    if ours >= ROUTE_GAIN * fla:
+    if not wide and ours >= ROUTE_GAIN * fla:
         return (f"predicted {ours / 1e3:.2f} ms vs FLA {fla / 1e3:.2f} ms: the fused kernel's serial chunk chain "
                 f"per CTA does not pay on this grid" + ("" if TWO_KERNEL_VERIFIED else
                                                         " (the two-kernel split is not yet verified on the H200)"))
@@ -440,8 +460,13 @@ def _route_reason(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, c
 
 def _size_reason(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu,
                  cfg: KDAChunkConfig) -> str | None:
-    """Per-call checks that depend on grad (the memo key does not hold requires_grad)."""
+    """Per-call checks that depend on grad (the memo key does not hold requires_grad) or on set_tuning."""
+    unbounded = gate_form(cfg) != "sigmoid_lb"
+    if unbounded and (_TUNING["two_kernel"] is False or not _TUNING["wgmma"]):
+        return UNBOUNDED_OFF_REASON
     if needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
+        if unbounded:
+            return UNBOUNDED_GRAD_REASON
         if cfg.chunk_size != CHUNK:
             return f"v1: chunk_size={cfg.chunk_size} under grad (Aqk/Akk are written for chunk 64)"
         if cfg.disable_recompute:
@@ -458,14 +483,15 @@ def _lens(q, cu_seqlens, cu_seqlens_cpu) -> list[int]:
     return (cu[1:] - cu[:-1]).tolist()
 
 
-def two_kernel_choice(lens: list[int], HV: int, sms: int) -> TwoKernelPlan | None:
+def two_kernel_choice(lens: list[int], HV: int, sms: int, wide: bool = False) -> TwoKernelPlan | None:
     """The two-kernel plan this call takes, or None for the fused kernel: forced by set_tuning(two_kernel=...), else
-    (once TWO_KERNEL_VERIFIED) where it predicts faster than the fused kernel."""
+    (once TWO_KERNEL_VERIFIED) where it predicts faster than the fused kernel; always with an unbounded gate (`wide`:
+    the fused kernel takes the bounded one only) unless set_tuning turned the form off."""
     forced = _TUNING["two_kernel"]
-    if forced is False or not _TUNING["wgmma"] or (forced is None and not TWO_KERNEL_VERIFIED):
+    if forced is False or not _TUNING["wgmma"] or (forced is None and not TWO_KERNEL_VERIFIED and not wide):
         return None
     plan = two_kernel_plan(lens, HV, sms, _TUNING["segments"], _TUNING["block_v"], _TUNING["state_rs"])
-    if forced is None and plan.us >= predicted_us(lens, HV, sms)[0]:
+    if forced is None and not wide and plan.us >= predicted_us(lens, HV, sms)[0]:
         return None
     return plan
 
@@ -473,10 +499,17 @@ def two_kernel_choice(lens: list[int], HV: int, sms: int) -> TwoKernelPlan | Non
 def _launcher(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cfg: KDAChunkConfig, l2: bool, bsig: bool,
               beta_scale: float):
     """launch(o=, ht=, Aqk=, Akk=, **kw): one kda_fwd launch on these (contiguous) inputs; kw: block_v, wgmma and
-    the two-kernel pass keywords."""
+    the two-kernel pass keywords. An unbounded gate goes to the prep pass (the one that reads g; lower_bound unused)."""
+    gate = gate_form(cfg)
+    lb = cfg.lower_bound if gate == "sigmoid_lb" else -5.0
+    if gate == "precomputed":
+        A_log = dt_bias = None
+
     def launch(*, o, ht, Aqk, Akk, **kw):
-        _C.kda_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o, ht, Aqk, Akk, cfg.scale,
-                   cfg.lower_bound, l2, bsig, beta_scale, cfg.state_v_first, **kw)
+        if gate != "sigmoid_lb" and kw.get("pass_kind") == 1:
+            kw["gate"] = gate
+        _C.kda_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o, ht, Aqk, Akk, cfg.scale, lb, l2,
+                   bsig, beta_scale, cfg.state_v_first, **kw)
     return launch
 
 
@@ -531,9 +564,12 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seq
             NT = sum(-(-L // CHUNK) for L in _lens(q, cu_seqlens, cu_seqlens_cpu))
             out_kw["chunk_offsets"] = prepare_chunk_offsets(cu_seqlens, CHUNK)
         h = out_kw["h_inter"] = torch.empty(B, NT, HV, HEAD_DIM, HEAD_DIM, dtype=k.dtype, device=dev)
-    two = None
-    if _TUNING["two_kernel"] or (_TUNING["two_kernel"] is None and TWO_KERNEL_VERIFIED):
-        two = two_kernel_choice(_lens(q, cu_seqlens, cu_seqlens_cpu), HV, _sm_count(dev))
+    two, wide = None, gate_form(cfg) != "sigmoid_lb"
+    if _TUNING["two_kernel"] or (_TUNING["two_kernel"] is None and TWO_KERNEL_VERIFIED) or wide:
+        two = two_kernel_choice(_lens(q, cu_seqlens, cu_seqlens_cpu), HV, _sm_count(dev), wide)
+    if two is None and wide:
+        raise ValueError("kda_prefill: an unbounded gate (softplus / precomputed g) needs the two-kernel form, "
+                         "turned off by set_tuning")
     if two is not None:
         run_two_kernel(functools.partial(launch, wgmma=True), N, HV, record_slots(B, T, N), dev, two, o, ht, Aqk,
                        Akk, out_kw, _C.kda_combine, state_rs=_TUNING["state_rs"], qk_kw=qk_kw)
@@ -577,8 +613,8 @@ def phase_profile(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, c
     ``_C.KDA_FWD_PHASE_NAMES``."""
     args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, cfg)
     r, _ = plan(*args)
-    if r:
-        raise ValueError(f"kda_prefill: {r}")
+    if r or gate_form(cfg) != "sigmoid_lb":
+        raise ValueError(f"kda_prefill: {r or 'phase_profile runs the fused kernel: the bounded gate only'}")
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     B, T = q.shape[:2]
     HV = v.shape[2]

@@ -22,7 +22,9 @@ Bars, every in-scope case (fresh random inputs):
   grad      loss = (o * do).sum() + (ht * dht).sum(); dq dk dv dg dbeta dA_log ddt_bias dh0 vs the fp64
             autograd oracle (parity/autograd_ref.py) judged by parity.rules.judge: under FLA's tolerance
             (0.008 dq/dk/dv/dh0, 0.02 dg/dbeta/dA_log/ddt_bias) AND <= 1.5 x FLA's error + floor(dtype).
-Out of scope (precomputed g, softplus gate, K=64, fp16, chunk_size=32 under grad, disable_recompute under grad):
+Also in scope (the two-kernel form): the unbounded gates, softplus (use_gate_in_kernel without lower_bound) and a
+precomputed log decay g, in inference (under grad they fall back: UNBOUNDED_GRAD_REASON).
+Out of scope (softplus and precomputed g under grad, K=64, fp16, chunk_size=32 and disable_recompute under grad):
 strict mode raises fla_cula.FallbackError with the kernel's reason; without strict mode the result equals
 FLA's bit for bit and the recorded fallback reason is non-empty.
 
@@ -347,6 +349,12 @@ def _fixed_cases() -> dict[str, Cfg]:
     cases["lb-5-unsafe"] = cfg(T=127, lb=-5.0, safe_gate=False, seed=40)
     cases["lb-1-unsafe"] = cfg(T=127, lb=-1.0, safe_gate=False, seed=41)
     cases["lb-0.1-unsafe-noA"] = cfg(T=127, lb=-0.1, safe_gate=False, A_log=False, seed=42)
+    # the unbounded gates (inference, the two-kernel form): softplus with and without A_log / dt_bias, precomputed
+    cases["softplus"] = cfg(T=200, lb=None, safe_gate=False, seed=43)
+    cases["softplus-nodt-vfirst"] = cfg(T=200, lb=None, safe_gate=False, dt_bias=False, vfirst=True, seed=44)
+    cases["precomputed"] = cfg(T=200, gate_in_kernel=False, lb=None, safe_gate=False, seed=45)
+    cases["precomputed-GVA-H2-HV4-T1000-B1"] = cfg(T=1000, B=1, H=2, HV=4, gate_in_kernel=False, lb=None,
+                                                   safe_gate=False, seed=46)
     # state and flags (T = 200: three full chunks and a tail)
     f = dict(T=200)
     cases["noh0"] = cfg(**f, h0=False, seed=50)
@@ -620,6 +628,72 @@ def test_two_kernel_abi_errors():
                k_rstd=torch.empty(B, T, H, device=DEV))
     err(r"q_hat: expected None with phase_cycles", (o, None, None, None), pass_kind=0,
         phase_cycles=torch.zeros(B * H, C.KDA_FWD_PHASES, dtype=torch.int64, device=DEV), **hat)
+    # the unbounded gate forms: the prep pass only, without phase_cycles; the gate name checked
+    err(r"gate: expected 'sigmoid_lb', 'softplus' or 'precomputed', got 'tanh'", (None, None, None, None),
+        pass_kind=1, rec=rec, gate="tanh")
+    err(r"gate 'softplus': expected pass_kind 1 \(the prep pass\) without phase_cycles, got pass_kind 0",
+        (o, None, None, None), pass_kind=0, gate="softplus")
+    err(r"gate 'precomputed': expected pass_kind 1 .* got pass_kind 2", (o, None, None, None), pass_kind=2, rec=rec,
+        gate="precomputed")
+
+
+def _wide_gate_inputs(form, T=1000, HV=2, seed=41):
+    """Unbounded gates with drops of ~100 (natural log) at a few (token, channel) places: blocks whose span on those
+    channels passes the kernel's kSpanMax (120 log2 units) next to ordinary ones."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, T, HV, 128, generator=gen).to(torch.bfloat16)
+    k = torch.randn(1, T, HV, 128, generator=gen).to(torch.bfloat16)
+    v = torch.randn(1, T, HV, 128, generator=gen).to(torch.bfloat16)
+    g = 2 * torch.randn(1, T, HV, 128, generator=gen)
+    beta = torch.randn(1, T, HV, generator=gen)
+    h0 = torch.randn(1, HV, 128, 128, generator=gen) * 0.5
+    drops = [(t, c) for t in range(5, T, 97) for c in (t % 128, (3 * t) % 128)]
+    if form == "softplus":
+        A_log, dt_bias = torch.full((HV,), 0.5), torch.randn(HV * 128, generator=gen) * 0.5
+        for t, c in drops:
+            g[0, t, :, c] = 60.0 - dt_bias.reshape(HV, 128)[:, c]
+        flags = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=None)
+    else:
+        A_log = dt_bias = None
+        g = -F.softplus(g)
+        for t, c in drops:
+            g[0, t, :, c] = -100.0
+        flags = dict(use_gate_in_kernel=False)
+    return q, k, v, g.to(torch.bfloat16), beta, A_log, dt_bias, h0, flags
+
+
+@pytest.mark.parametrize("segments", [1, 3])
+@pytest.mark.parametrize("form", ["softplus", "precomputed"])
+def test_unbounded_gate_prep(form, segments):
+    """The prep kernel's unbounded gate forms (not routed yet: driven here through the binding and the two-kernel
+    orchestration) against the fp64 recurrence, with channels whose block spans take the pairwise diagonal path:
+    o and the final state within 0.005, every output finite (NaN-poisoned allocations)."""
+    from fla_cula import _ext
+    from fla_cula.kernels import kda_prefill as kp
+    C = _ext.require()
+    q, k, v, g, beta, A_log, dt_bias, h0, flags = _wide_gate_inputs(form)
+    dev = [x.to(DEV) if x is not None else None for x in (q, k, v, g, beta, A_log, dt_bias, h0)]
+    dq, dk, dv, dg, dbeta, dA, ddt, dh0 = dev
+    T, HV = q.shape[1], q.shape[2]
+    o = torch.full((1, T, HV, 128), float("nan"), dtype=torch.bfloat16, device=DEV)
+    ht = torch.full((1, HV, 128, 128), float("nan"), device=DEV)
+    gate = form
+
+    def launch(*, pass_kind, **kw):
+        C.kda_fwd(dq, dk, dv, dg, dbeta, dA, ddt, dh0, None, kw.pop("o"), kw.pop("ht"), kw.pop("Aqk"), kw.pop("Akk"),
+                  128 ** -0.5, -5.0, True, True, 1.0, False, wgmma=True, pass_kind=pass_kind,
+                  **({"gate": gate} if pass_kind == 1 else {}), **kw)
+    plan = kp.two_kernel_plan([T], HV, 132, segments=segments, block_v=64)
+    with torch.inference_mode():
+        kp.run_two_kernel(launch, 1, HV, kp.record_slots(1, T, 1), DEV, plan, o, ht, None, None,
+                          combine=C.kda_combine, state_rs=True)
+        torch.cuda.synchronize()
+    o_ref, ht_ref = kda_recurrent(q, k, v, g, beta, scale=128 ** -0.5, initial_state=h0, output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **flags)
+    assert o.isfinite().all() and ht.isfinite().all()
+    eo, eh = rel_rms(o_ref, o.float().cpu()), rel_rms(ht_ref, ht.cpu())
+    print(f"\nunbounded {form} P {segments}: o {eo:.2e} ht {eh:.2e}")
+    assert eo < TOL and eh < TOL, (eo, eh)
 
 
 # return_intermediate_states (inference): h, bf16(S) at every chunk start in FLA's layout ([B, NT, HV, K, V], V-first
@@ -883,14 +957,14 @@ def test_grad_dA_log_over_seeds(strict_mode, fla_fns):
 # out of scope: strict raises with the kernel's reason; otherwise FLA's result, bit for bit
 
 OUT_OF_SCOPE = {
-    "precomputed-g": (cfg(T=130, gate_in_kernel=False, lb=None, safe_gate=False, seed=100), {}),
-    "softplus-gate": (cfg(T=130, lb=None, safe_gate=False, seed=101), {}),
+    "precomputed-g-grad": (cfg(T=130, gate_in_kernel=False, lb=None, safe_gate=False, mode="grad", seed=100), {}),
+    "softplus-gate-grad": (cfg(T=130, lb=None, safe_gate=False, mode="grad", seed=101), {}),
     "K64": (cfg(T=130, K=64, seed=102), {}),
     "fp16": (cfg(T=130, dtype=torch.float16, beta_dtype=torch.float16, seed=103), {}),
     "chunk32-grad": (cfg(T=130, chunk_size=32, mode="grad", seed=104), {}),
     "disable_recompute-grad": (cfg(T=130, mode="grad", seed=106), {"disable_recompute": True}),
 }
-SMOKE_OOS = {"softplus-gate-strict-raises", "K64-fallback-equals-fla"}
+SMOKE_OOS = {"softplus-gate-grad-strict-raises", "K64-fallback-equals-fla"}
 OOS_PARAMS = [pytest.param(name, strict, id=f"{name}-{mode}" + ("-smoke" if f"{name}-{mode}" in SMOKE_OOS else ""))
               for name in OUT_OF_SCOPE for strict, mode in ((True, "strict-raises"), (False, "fallback-equals-fla"))]
 
