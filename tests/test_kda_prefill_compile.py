@@ -1152,6 +1152,29 @@ def test_unbounded_gate_prep_emulated_matches_fp64(emulator, form, segments):
     assert eo < 0.005 and eh < 0.005, (eo, eh)
 
 
+@pytest.mark.parametrize("form", ["softplus", "precomputed"])
+def test_unbounded_gate_infinite_decay_emulated(emulator, form):
+    """A gate of -inf at the last token of chunk 0 (bf16's largest g: the softplus form overflows to -inf, and so
+    does a precomputed -3e38 in log2 units): the state forgets everything before it, exactly. The kernel floors a
+    gate at -2^24 (log2), so G stays finite and its integer anchors in range; o and the final state meet the fp64 bar
+    (without the floor: inf - inf = NaN in the chunk's factors)."""
+    _ext_or_skip()
+    args, _, flags = _wide_gate_case(form)
+    q, k, v, g, beta, A_log, dt_bias, h0, cu = args
+    g = g.clone()
+    g[0, 63] = 3e38 if form == "softplus" else -3e38
+    kw = dict(scale=128 ** -0.5, lb=-5.0, l2=True, bsig=True, neg=False, svf=False)
+    o, ht, _, _ = _emulate_two_kernel(emulator, q, k, v, g, beta, A_log, dt_bias, h0, cu, block_v=64, segments=2,
+                                      gate=1 if form == "softplus" else 2, **kw)
+    o_ref, ht_ref = kda_recurrent(q.double(), k.double(), v.double(), g.double(), beta.double(), scale=kw["scale"],
+                                  initial_state=h0.double(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                  use_beta_sigmoid_in_kernel=True, **{n: (x.double() if torch.is_tensor(x) else x)
+                                                                      for n, x in flags.items()})
+    assert o.isfinite().all() and ht.isfinite().all()
+    eo, eh = rel_rms(o_ref, o.double()), rel_rms(ht_ref, ht.double())
+    assert eo < 0.005 and eh < 0.005, (eo, eh)
+
+
 @pytest.mark.parametrize("block_v", [64, 128])
 @pytest.mark.parametrize("case", ["fixed-tail-svf", "varlen-gva-empty"])
 def test_two_kernel_emulated_same_bits_as_fused(emulator, case, block_v):

@@ -1137,7 +1137,9 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
       {
         int const r = tid >> 6, d = 2 * (tid & 63);
         // sigmoid(z) = 1 / (1 + 2^(c g + c b)) with c = -exp(A_log) log2(e): one fma per gate. Softplus in log2
-        // units: -exp(A_log) log2(1 + 2^z2), z2 = (g + b) log2(e) (z2 itself from 15 on, as FLA's softplus2)
+        // units: -exp(A_log) log2(1 + 2^z2), z2 = (g + b) log2(e) (z2 itself from 15 on, as FLA's softplus2). An
+        // unbounded gate is floored at -2^24 (a decay of 2^-2^24: zero in every float format), so that |G| <= 2^30
+        // and the integer anchors hold it
         float const lbl = p.lower_bound * kLog2e, c = -sm.expA * kLog2e, cb0 = c * sm.dtb[d], cb1 = c * sm.dtb[d + 1];
         float const b20 = sm.dtb[d] * kLog2e, b21 = sm.dtb[d + 1] * kLog2e;
         auto gate2 = [&](float x, float cb, float b2) -> float {
@@ -1145,9 +1147,9 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
             return lbl * rcp(1.f + ex2(fmaf(c, x, cb)));
           } else if constexpr (kGate == GateForm::Softplus) {
             float const z2 = fmaf(x, kLog2e, b2);
-            return -sm.expA * (z2 < 15.f ? lg2(1.f + ex2(z2)) : z2);
+            return fmaxf(-sm.expA * (z2 < 15.f ? lg2(1.f + ex2(z2)) : z2), -16777216.f);
           } else {
-            return x * kLog2e;
+            return fmaxf(x * kLog2e, -16777216.f);
           }
         };
         float2 acc = make_float2(0.f, 0.f);
@@ -1228,17 +1230,15 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
           Gr[u].y += off.y;
           if constexpr (kPass != kKdaPrep) *reinterpret_cast<float2*>(&sm.u2.G[kBC * r + u][d]) = Gr[u];
         }
-        // kWide: G clamped at -2^30 for the integer anchors (spans stay int; past kSpanMax the pairwise path)
-        auto cl = [](float x) { return kWide ? fmaxf(x, -1073741824.f) : x; };
-        sm.anc_a[r][d] = int(ceilf(cl(Gr[0].x)));
-        sm.anc_a[r][d + 1] = int(ceilf(cl(Gr[0].y)));
+        sm.anc_a[r][d] = int(ceilf(Gr[0].x));
+        sm.anc_a[r][d + 1] = int(ceilf(Gr[0].y));
         if (r > 0) {
-          sm.anc_b[r - 1][d] = int(floorf(cl(Gr[0].x)));
-          sm.anc_b[r - 1][d + 1] = int(floorf(cl(Gr[0].y)));
+          sm.anc_b[r - 1][d] = int(floorf(Gr[0].x));
+          sm.anc_b[r - 1][d + 1] = int(floorf(Gr[0].y));
         }
         if (r == 3) {
-          sm.anc_b[3][d] = int(floorf(cl(Gr[kBC - 1].x)));
-          sm.anc_b[3][d + 1] = int(floorf(cl(Gr[kBC - 1].y)));
+          sm.anc_b[3][d] = int(floorf(Gr[kBC - 1].x));
+          sm.anc_b[3][d + 1] = int(floorf(Gr[kBC - 1].y));
           sm.gamma[d] = ex2(Gr[kBC - 1].x);
           sm.gamma[d + 1] = ex2(Gr[kBC - 1].y);
           if constexpr (kPass == kKdaPrep) {
