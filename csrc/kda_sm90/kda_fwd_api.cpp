@@ -377,8 +377,8 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
     throw py::value_error("gate: expected 'sigmoid_lb', 'softplus' or 'precomputed', got '" + gate + "'");
   }
   if (gate_form != 0 && (pass != kKdaPrep || !phase_cycles_obj.is_none())) {
-    throw py::value_error("gate '" + gate + "': expected pass_kind 1 (the prep pass) without phase_cycles, got pass_kind " +
-                          std::to_string(pass));
+    throw py::value_error("gate '" + gate + "': expected pass_kind 1 (the prep pass) without phase_cycles, got " +
+                          "pass_kind " + std::to_string(pass));
   }
   if (gate_form == 0 && !(lower_bound >= -5.0 && lower_bound < 0.0)) {
     throw py::value_error("lower_bound: expected -5 <= lower_bound < 0, got " + std::to_string(lower_bound));

@@ -568,8 +568,7 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seq
     if _TUNING["two_kernel"] or (_TUNING["two_kernel"] is None and TWO_KERNEL_VERIFIED) or wide:
         two = two_kernel_choice(_lens(q, cu_seqlens, cu_seqlens_cpu), HV, _sm_count(dev), wide)
     if two is None and wide:
-        raise ValueError("kda_prefill: an unbounded gate (softplus / precomputed g) needs the two-kernel form, "
-                         "turned off by set_tuning")
+        raise ValueError(f"kda_prefill: {UNBOUNDED_OFF_REASON}")
     if two is not None:
         run_two_kernel(functools.partial(launch, wgmma=True), N, HV, record_slots(B, T, N), dev, two, o, ht, Aqk,
                        Akk, out_kw, _C.kda_combine, state_rs=_TUNING["state_rs"], qk_kw=qk_kw)
