@@ -665,7 +665,7 @@ def _wide_gate_inputs(form, T=1000, HV=2, seed=41):
 @pytest.mark.parametrize("segments", [1, 3])
 @pytest.mark.parametrize("form", ["softplus", "precomputed"])
 def test_unbounded_gate_prep(form, segments):
-    """The prep kernel's unbounded gate forms (not routed yet: driven here through the binding and the two-kernel
+    """The prep kernel's unbounded gate forms (driven here through the binding and the two-kernel
     orchestration) against the fp64 recurrence, with channels whose block spans take the pairwise diagonal path:
     o and the final state within 0.005, every output finite (NaN-poisoned allocations)."""
     from fla_cula import _ext
