@@ -9,6 +9,7 @@ errors, so the comparison tells the layouts apart."""
 from __future__ import annotations
 
 import ctypes
+import math
 
 import pytest
 import torch
@@ -181,7 +182,8 @@ def test_sass_hmma_ldsm_no_spills():
     """The six specializations of the built kernel (state layout x plain / intra fused / intra and l2norm backward
     fused): sm_90a, mma.sync
     (HMMA) fed by ldmatrix (LDSM, .trans among them), cp.async loads (LDGSTS), no spill; kda_bwd_intra_kernel:
-    HMMA, LDGSTS, no spill; kda_bwd_gate_kernel (fp32 and bf16 g_raw): sm_90a, no spill."""
+    HMMA, LDGSTS, no spill, bounded and unbounded gate forms; kda_bwd_gate_kernel (fp32 and bf16 g_raw x lower_bound
+    and softplus forms): sm_90a, no spill."""
     from fla_cula import _ext
 
     ok, why = _ext.available()
@@ -198,9 +200,9 @@ def test_sass_hmma_ldsm_no_spills():
     dv = [s for s in sass if "kda_bwd_dv_kernel" in names[s]]
     assert len(dv) == 1, sorted(names.values())
     intra = [s for s in sass if "kda_bwd_intra_kernel" in names[s]]
-    assert len(intra) == 1, sorted(names.values())
+    assert len(intra) == 2, sorted(names.values())  # the bounded and the unbounded (kWide) gate forms
     gate = [s for s in sass if "kda_bwd_gate_kernel" in names[s]]
-    assert len(gate) == 2, sorted(names.values())  # g_raw / dg_raw fp32 or bf16
+    assert len(gate) == 4, sorted(names.values())  # g_raw / dg_raw fp32 or bf16 x lower_bound / softplus form
     for s in gate:
         assert sass[s][0] == "sm_90a" and usage[s]["stack"] == 0 and usage[s]["local"] == 0, usage[s]
     for s in syms + intra + dv:
@@ -234,7 +236,7 @@ extern "C" void emu_bwd_intra(void const* q, void const* k, float const* g, floa
   p.cu_seqlens = cu; p.chunk_indices = ci;
   static_assert(kda_sm90::kBwdIntraSmemBytes <= int(sizeof(smem_raw)));
   emu_grid(chunks * HV, kda_sm90::kIntraThreads, [&p] {
-    kda_sm90::kda_bwd_intra_kernel(p);
+    p.gate_shift == 0.f ? kda_sm90::kda_bwd_intra_kernel<true>(p) : kda_sm90::kda_bwd_intra_kernel<false>(p);
   });
 }
 """
@@ -248,11 +250,13 @@ def intra_emulator(tmp_path_factory):
 LOWER_BOUND = -5.0
 
 
-def bwd_intra_inputs(B, T, H, HV, lens=None, seed=0, at_bound=False):
+def bwd_intra_inputs(B, T, H, HV, lens=None, seed=0, at_bound=False, unbounded=False):
     """Random inputs of FLA's chunk_kda_bwd_intra: g a chunk-local cumsum of per-token log2 decays in
     [lower_bound / ln 2, 0] (safe_gate's range, the whole range used; at_bound: every step at the bound, so a chunk
     spans 64 steps of it and most pairs' factors underflow), dAqk lower triangular with its diagonal, dAkk strictly
-    lower, incoming dq, dk, dg, db."""
+    lower, incoming dq, dk, dg, db. unbounded: softplus-like steps up to ~20 (log2) on a quarter of the channels
+    (16-token spans of 60-300: both anchor kinds of the unbounded form) and drops of 150 at a few (token, channel)
+    places, the rest as above."""
     import math
 
     gen = torch.Generator().manual_seed(seed)
@@ -265,6 +269,12 @@ def bwd_intra_inputs(B, T, H, HV, lens=None, seed=0, at_bound=False):
     step = torch.rand(B, T, HV, 128, generator=gen) ** 3 * (LOWER_BOUND / math.log(2))  # many slow, some at the bound
     if at_bound:
         step = torch.full_like(step, LOWER_BOUND / math.log(2))
+    if unbounded:
+        fast = torch.rand(B, T, HV, 128, generator=gen) * -20.0
+        step = torch.where(torch.arange(128) % 4 == 1, fast, step)
+        for t, c in ((3, 7), (20, 33), (40, 64), (63, 100), (64, 5), (90, 77)):  # drops at block edges and inside
+            if t < T:
+                step[:, t, :, c] = -150.0
     g = torch.zeros(B, T, HV, 128)
     dAqk, dAkk = torch.zeros(B, T, HV, 64), torch.zeros(B, T, HV, 64)
     for b, bos, eos in seqs:
@@ -280,8 +290,11 @@ def bwd_intra_inputs(B, T, H, HV, lens=None, seed=0, at_bound=False):
     return dict(q=q, k=k, g=g, beta=beta, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, dg=dg, db=db, cu_seqlens=cu)
 
 
-def _emulate_intra(lib, x, lens=None):
-    import math
+BOUNDED_SHIFT = -LOWER_BOUND / math.log(2)
+
+
+def _emulate_intra(lib, x, lens=None, shift=BOUNDED_SHIFT):
+    """shift 0: the unbounded form"""
 
     B, T, H, _ = x["q"].shape
     HV = x["g"].shape[2]
@@ -295,9 +308,22 @@ def _emulate_intra(lib, x, lens=None):
 
     lib.emu_bwd_intra(ptr(x["q"]), ptr(x["k"]), ptr(x["g"]), ptr(x["beta"]), ptr(x["dAqk"]), ptr(x["dAkk"]),
                       ptr(x["dq"]), ptr(x["dk"]), ptr(x["dg"]), ptr(x["db"]), ptr(out["dq"]), ptr(out["dk"]),
-                      ptr(out["dg"]), ptr(out["db"]), B, T, H, HV, chunks, ctypes.c_float(-LOWER_BOUND / math.log(2)),
+                      ptr(out["dg"]), ptr(out["db"]), B, T, H, HV, chunks, ctypes.c_float(shift),
                       ptr(x["cu_seqlens"]), ptr(ci))
     return out
+
+
+def _block_spans(g, cu_seqlens):
+    """g's span over each 16-token block of each chunk (first row minus last row), per (block, head, channel)"""
+    B, T = g.shape[:2]
+    seqs = ([(b, 0, T) for b in range(B)] if cu_seqlens is None
+            else [(0, int(cu_seqlens[i]), int(cu_seqlens[i + 1])) for i in range(len(cu_seqlens) - 1)])
+    out = []
+    for b, bos, eos in seqs:
+        for t0 in range(bos, eos, 16):  # 64-token chunks start at multiples of 16 from bos too
+            e = min(t0 + 16, eos) - 1
+            out.append(g[b, t0] - g[b, e])
+    return torch.stack(out)
 
 
 INTRA_CASES = {
@@ -305,6 +331,10 @@ INTRA_CASES = {
     "fixed-gva": dict(B=2, T=64, H=1, HV=2),
     "varlen-short": dict(B=1, T=86, H=1, HV=1, lens=[70, 1, 15]),
     "fixed-at-the-bound": dict(B=1, T=64, H=1, HV=1, at_bound=True),
+    # the unbounded form (gate_shift 0): per-channel anchors, wide channels summed pairwise
+    "unbounded-tail": dict(B=1, T=100, H=1, HV=1, unbounded=True),
+    "unbounded-varlen-gva": dict(B=1, T=86, H=1, HV=2, lens=[70, 1, 15], unbounded=True),
+    "unbounded-slow": dict(B=1, T=64, H=1, HV=1),  # a bounded gate through the unbounded form
 }
 
 
@@ -315,7 +345,11 @@ def test_bwd_intra_emulated_matches_fp64_model(intra_emulator, case):
     kw = dict(INTRA_CASES[case])
     lens = kw.get("lens")
     x = bwd_intra_inputs(**kw, seed=len(case))
-    got = _emulate_intra(intra_emulator, x, lens)
+    unbounded = case.startswith("unbounded")
+    if kw.get("unbounded"):  # both anchor kinds occur: 16-token spans past kSpanMax = 120 and within it past 60
+        spans = _block_spans(x["g"], x["cu_seqlens"])
+        assert int((spans > 120).sum()) >= 6 and int(((spans > 60) & (spans <= 120)).sum()) >= 6, spans.shape
+    got = _emulate_intra(intra_emulator, x, lens, shift=0.0 if unbounded else BOUNDED_SHIFT)
     ref = bwd_intra_reference(x["q"], x["k"], x["g"], x["beta"], x["dAqk"], x["dAkk"], x["dq"], x["dk"], x["db"],
                               x["dg"], x["cu_seqlens"])
     added = {n: ref[n] - x[n].double() for n in ("dq", "dk", "dg", "db")}
@@ -391,23 +425,22 @@ def test_bwd_wy_same_bits_every_run(emulator, case):
                 assert torch.equal(t.nan_to_num(7.0), r[n].nan_to_num(7.0)), f"{form}: {n} differs between runs"
 
 
-def test_intra_reason_needs_a_per_token_gate_bound(monkeypatch):
-    """kda_bwd_intra's anchors need every per-token step of g within [lower_bound, 0]: the in-kernel gate with
-    lower_bound has it by construction, a precomputed gate only with safe_gate; lower_bound below -11.5 leaves
-    fp32. The gate checks come first; past them this test's stub extension answers."""
+def test_intra_shift_bounded_or_unbounded_form(monkeypatch):
+    """kda_bwd_intra's bounded form needs every per-token step of g within [lower_bound, 0] (the in-kernel gate with
+    lower_bound has it by construction, a precomputed gate only with safe_gate) and lower_bound >= -11.5 (its
+    anchors within fp32); every other gate takes the unbounded form (shift None), which the fused wy form does not
+    have. intra_reason no longer looks at the gate: past the device checks this test's stub extension answers."""
+    import math
+
     from fla_cula.ops import kda_bwd
 
+    for args in ((False, -5.0, False), (True, None, True), (True, 0.0, True), (False, None, True), (True, -12.0, True),
+                 (False, None, False)):
+        assert kda_bwd.intra_shift(args[1], args[0], args[2]) is None, args
+    for safe_gate, lb, gik in ((True, -5.0, False), (False, -5.0, True), (True, -11.5, True)):
+        assert kda_bwd.intra_shift(lb, safe_gate, gik) == pytest.approx(-lb / math.log(2)), (safe_gate, lb, gik)
     monkeypatch.setattr(kda_bwd._ext, "available", lambda: (False, "stub extension"))
-
-    def reason(safe_gate, lower_bound, gate_in_kernel):
-        return kda_bwd.intra_reason(None, None, None, None, None, None, None, None, None, None, 64, safe_gate,
-                                    lower_bound, gate_in_kernel)
-
-    for args in ((False, -5.0, False), (True, None, True), (True, 0.0, True), (False, None, True)):
-        assert "per-token gate bound" in reason(*args), args
-    assert "lower_bound=-12.0" in reason(True, -12.0, True)
-    for args in ((True, -5.0, False), (False, -5.0, True), (True, -11.5, True)):
-        assert reason(*args) == "stub extension", args
+    assert kda_bwd.intra_reason(*([None] * 10), 64) == "stub extension"
 
 
 @pytest.mark.parametrize("case", sorted(n for n, c in CASES.items() if c.get("HV", 1) == c.get("H", 1)))
@@ -525,16 +558,22 @@ EMULATOR_GATE_CPP = _PRELUDE + r"""
 using namespace fla_cula;
 
 extern "C" void emu_bwd_gate(float const* dg, void const* g_raw, int g_raw_fp32, void const* A_log, int A_fp32,
-                             void const* dt_bias, int bias_fp32, float lower_bound, void* dg_raw, float* dA_part,
-                             float* dbias_part, int B, int T, int HV, int chunks, void const* cu, void const* ci) {
+                             void const* dt_bias, int bias_fp32, int softplus, float lower_bound, void* dg_raw,
+                             float* dA_part, float* dbias_part, int B, int T, int HV, int chunks, void const* cu,
+                             void const* ci) {
   KdaBwdGateParams p{};
   p.dg = dg; p.g_raw = g_raw; p.g_raw_fp32 = g_raw_fp32; p.A_log = A_log; p.A_log_fp32 = A_fp32;
-  p.dt_bias = dt_bias; p.dt_bias_fp32 = bias_fp32; p.lower_bound = lower_bound; p.dg_raw = dg_raw;
+  p.dt_bias = dt_bias; p.dt_bias_fp32 = bias_fp32; p.softplus = softplus; p.lower_bound = lower_bound;
+  p.dg_raw = dg_raw;
   p.dA_part = dA_part; p.dbias_part = dbias_part; p.B = B; p.T = T; p.HV = HV; p.chunks = chunks;
   p.cu_seqlens = cu; p.chunk_indices = ci;
   static_assert(kda_sm90::kBwdGateSmemBytes <= int(sizeof(smem_raw)));
   emu_grid(chunks * HV, kda_sm90::kGateThreads, [&p] {
-    if (p.g_raw_fp32) kda_sm90::kda_bwd_gate_kernel<true>(p); else kda_sm90::kda_bwd_gate_kernel<false>(p);
+    if (p.softplus) {
+      p.g_raw_fp32 ? kda_sm90::kda_bwd_gate_kernel<true, true>(p) : kda_sm90::kda_bwd_gate_kernel<false, true>(p);
+    } else {
+      p.g_raw_fp32 ? kda_sm90::kda_bwd_gate_kernel<true, false>(p) : kda_sm90::kda_bwd_gate_kernel<false, false>(p);
+    }
   });
 }
 """
@@ -547,21 +586,26 @@ def gate_emulator(tmp_path_factory):
 
 def gate_bwd_reference(dg, g_raw, A_log, dt_bias, lb, seqs):
     """FLA's chunk_local_cumsum(dg, reverse) then kda_gate_bwd in fp64 -> (dg_raw with NaN rows where no sequence is,
-    per-chunk partial sums of dA_log [chunks, HV] and of dt_bias's gradient [chunks, HV * 128])."""
+    per-chunk partial sums of dA_log [chunks, HV] and of dt_bias's gradient [chunks, HV * 128]). lb None: the
+    softplus gate -exp(A_log) softplus(gp)."""
     dg = dg.double()
     HV = dg.shape[2]
     A = torch.ones(1, 1, HV, 1, dtype=torch.float64) if A_log is None else A_log.double().exp().view(1, 1, HV, 1)
     gp = g_raw.double() + (0.0 if dt_bias is None else dt_bias.double().view(1, 1, HV, 128))
-    s = torch.sigmoid(A * gp)
+    s = torch.sigmoid(A * gp) if lb is not None else torch.sigmoid(gp)
     ref = torch.full_like(dg, float("nan"))
     dA, dbias = [], []
     for b, bos, eos in seqs:
         for t0 in range(bos, eos, 64):
             rows = slice(t0, min(t0 + 64, eos))
             dyg = dg[b, rows].flip(0).cumsum(0).flip(0)
-            d = dyg * lb * s[b, rows] * (1 - s[b, rows]) * A[0]
+            if lb is None:
+                d = -dyg * A[0] * s[b, rows]
+                dA.append((-dyg * A[0] * torch.nn.functional.softplus(gp[b, rows])).sum((0, 2)))
+            else:
+                d = dyg * lb * s[b, rows] * (1 - s[b, rows]) * A[0]
+                dA.append((d * gp[b, rows]).sum((0, 2)))
             ref[b, rows] = d
-            dA.append((d * gp[b, rows]).sum((0, 2)))
             dbias.append(d.sum(0).reshape(-1))
     return ref, torch.stack(dA), torch.stack(dbias)
 
@@ -571,10 +615,12 @@ GATE_CASES = {
     "fixed-batch-heads": dict(B=2, T=64, HV=2),
     "varlen-short": dict(B=1, T=86, HV=1, lens=[70, 1, 15]),
 }
-GATE_FORMS = {  # g_raw dtype, A_log dtype or None, dt_bias dtype or None
-    "bf16-A-bias": (torch.bfloat16, torch.float32, torch.float32),
-    "fp32-noA-bias": (torch.float32, None, torch.float32),
-    "bf16-bf16A-nobias": (torch.bfloat16, torch.bfloat16, None),
+GATE_FORMS = {  # g_raw dtype, A_log dtype or None, dt_bias dtype or None, lower_bound (None: the softplus gate)
+    "bf16-A-bias": (torch.bfloat16, torch.float32, torch.float32, LOWER_BOUND),
+    "fp32-noA-bias": (torch.float32, None, torch.float32, LOWER_BOUND),
+    "bf16-bf16A-nobias": (torch.bfloat16, torch.bfloat16, None, LOWER_BOUND),
+    "softplus-bf16-A-bias": (torch.bfloat16, torch.float32, torch.float32, None),
+    "softplus-fp32-bf16A-nobias": (torch.float32, torch.bfloat16, None, None),
 }
 
 
@@ -588,7 +634,7 @@ def test_bwd_gate_emulated_matches_fp64(gate_emulator, case, form):
     kw = dict(GATE_CASES[case])
     lens = kw.pop("lens", None)
     B, T, HV = kw["B"], kw["T"], kw["HV"]
-    g_dt, a_dt, b_dt = GATE_FORMS[form]
+    g_dt, a_dt, b_dt, lb = GATE_FORMS[form]
     gen = torch.Generator().manual_seed(len(case) * 7 + len(form))
     dg = torch.randn(B, T, HV, 128, generator=gen)
     g_raw = (torch.randn(B, T, HV, 128, generator=gen) * 2).to(g_dt)
@@ -608,10 +654,10 @@ def test_bwd_gate_emulated_matches_fp64(gate_emulator, case, form):
     def ptr(t):
         return ctypes.c_void_p(0 if t is None else t.data_ptr())
 
-    lb = LOWER_BOUND
     gate_emulator.emu_bwd_gate(ptr(dg), ptr(g_raw), int(g_dt == torch.float32), ptr(A_log),
-                               int(a_dt == torch.float32), ptr(dt_bias), int(b_dt == torch.float32), ctypes.c_float(lb),
-                               ptr(dg_raw), ptr(dA_part), ptr(dbias_part), B, T, HV, chunks, ptr(cu), ptr(ci))
+                               int(a_dt == torch.float32), ptr(dt_bias), int(b_dt == torch.float32), int(lb is None),
+                               ctypes.c_float(0.0 if lb is None else lb), ptr(dg_raw), ptr(dA_part), ptr(dbias_part),
+                               B, T, HV, chunks, ptr(cu), ptr(ci))
     ref, dA_ref, dbias_ref = gate_bwd_reference(dg, g_raw, A_log, dt_bias, lb, seqs)
     o = dg_raw.double()
     written = ~ref.isnan()
@@ -629,9 +675,9 @@ def test_bwd_gate_emulated_matches_fp64(gate_emulator, case, form):
 
 
 def test_gate_reason(monkeypatch):
-    """kda_bwd_gate takes the lower_bound gate, chunks of 64, fp32 dg beside a bf16 / fp32 gate input of its shape,
-    fp32 / bf16 A_log and dt_bias; anything else names what it is. Past the checks this test's stub extension
-    answers (on the CPU the device check comes first, so it is stubbed too)."""
+    """kda_bwd_gate takes the lower_bound gate and the softplus gate with A_log, chunks of 64, fp32 dg beside a bf16 /
+    fp32 gate input of its shape, fp32 / bf16 A_log and dt_bias; anything else names what it is. Past the checks
+    this test's stub extension answers (on the CPU the device check comes first, so it is stubbed too)."""
     from fla_cula.ops import kda_bwd
 
     monkeypatch.setattr(kda_bwd._ext, "available", lambda: (True, ""))
@@ -640,8 +686,9 @@ def test_gate_reason(monkeypatch):
     A_log, dt_bias = torch.zeros(2), torch.zeros(256, dtype=torch.bfloat16)
     assert kda_bwd.gate_reason(dg, g, A_log, dt_bias, -5.0, 64) is None
     assert kda_bwd.gate_reason(dg, g.float(), None, None, -1.0, 64) is None
+    assert kda_bwd.gate_reason(dg, g, A_log, dt_bias, None, 64) is None  # the softplus gate
     cases = {
-        "lower_bound=None": (dg, g, A_log, dt_bias, None, 64),
+        "without A_log": (dg, g, None, dt_bias, None, 64),
         "lower_bound=0.0": (dg, g, A_log, dt_bias, 0.0, 64),
         "chunk_size=32": (dg, g, A_log, dt_bias, -5.0, 32),
         "dg is torch.bfloat16": (dg.bfloat16(), g, A_log, dt_bias, -5.0, 64),

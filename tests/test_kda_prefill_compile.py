@@ -376,9 +376,9 @@ def test_plan_reasons(cfg, match):
 @pytest.mark.parametrize("cfg", [dict(lower_bound=None, safe_gate=False), dict(use_gate_in_kernel=False)],
                          ids=["softplus", "precomputed"])
 def test_plan_unbounded_gates(cfg, monkeypatch):
-    """The unbounded gates: served in inference (the plan's memoized answer holds no reason), per call a reason under
-    grad and where set_tuning turned the two-kernel form off; the two-kernel plan is taken even where the fused kernel
-    would be predicted faster (it takes the bounded gate only)."""
+    """The unbounded gates: served in inference and under grad (the plan's memoized answer holds no reason; under grad
+    once UNBOUNDED_GRAD_VERIFIED), per call a reason where set_tuning turned the two-kernel form off; the two-kernel
+    plan is taken even where the fused kernel would be predicted faster (it takes the bounded gate only)."""
     from fla_cula.kernels import kda_prefill
     plan = _plan()
     monkeypatch.setattr(kda_prefill, "ROUTE_BY_COST", False)
@@ -388,7 +388,10 @@ def test_plan_unbounded_gates(cfg, monkeypatch):
     assert kda_prefill.gate_form(args[-1]) == ("softplus" if "lower_bound" in cfg else "precomputed")
     assert go.size_reason(*args) is None
     x = args[0].clone().requires_grad_(True)
+    monkeypatch.setattr(kda_prefill, "UNBOUNDED_GRAD_VERIFIED", False)
     assert go.size_reason(x, *args[1:]) == kda_prefill.UNBOUNDED_GRAD_REASON
+    monkeypatch.setattr(kda_prefill, "UNBOUNDED_GRAD_VERIFIED", True)
+    assert go.size_reason(x, *args[1:]) is None
     try:
         kda_prefill.set_tuning(two_kernel=False)
         assert "two-kernel form only" in go.size_reason(*args)

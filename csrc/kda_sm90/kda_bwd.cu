@@ -79,26 +79,36 @@ void run_kda_bwd_dv(KdaBwdDvParams const& p) {
 
 void run_kda_bwd_intra(KdaBwdIntraParams const& p) {
   int64_t const ctas = pair_ctas(p.chunks, p.HV, "kda_bwd_intra");
-  FLA_CULA_REQUIRE(p.gate_shift > 0.f && p.gate_shift <= 16.6f,
-                   "kda_bwd_intra: gate_shift must be in (0, 16.6] (safe_gate with -11.5 <= lower_bound < 0), got " +
-                       std::to_string(p.gate_shift));
+  FLA_CULA_REQUIRE(p.gate_shift == 0.f || (p.gate_shift > 0.f && p.gate_shift <= 16.6f),
+                   "kda_bwd_intra: gate_shift must be in (0, 16.6] (safe_gate with -11.5 <= lower_bound < 0) or 0 (no "
+                   "per-token bound), got " + std::to_string(p.gate_shift));
   if (ctas == 0) return;
   DeviceGuard guard(p.device);
   require_compute_capability(p.device, 9, 0, "kda_bwd_intra");
   constexpr int kSmem = kda_sm90::kBwdIntraSmemBytes;
-  opt_in_shared_memory<kda_sm90::kda_bwd_intra_kernel>(p.device, kSmem);
-  kda_sm90::kda_bwd_intra_kernel<<<dim3{unsigned(ctas)}, kda_sm90::kIntraThreads, kSmem,
-                                   static_cast<cudaStream_t>(p.stream)>>>(p);
+  bool const wide = p.gate_shift == 0.f;
+  if (wide) {
+    opt_in_shared_memory<kda_sm90::kda_bwd_intra_kernel<true>>(p.device, kSmem);
+  } else {
+    opt_in_shared_memory<kda_sm90::kda_bwd_intra_kernel<false>>(p.device, kSmem);
+  }
+  auto const kernel = wide ? kda_sm90::kda_bwd_intra_kernel<true> : kda_sm90::kda_bwd_intra_kernel<false>;
+  kernel<<<dim3{unsigned(ctas)}, kda_sm90::kIntraThreads, kSmem, static_cast<cudaStream_t>(p.stream)>>>(p);
   FLA_CULA_CHECK_LAUNCH("kda_bwd_intra_kernel");
 }
 
 void run_kda_bwd_gate(KdaBwdGateParams const& p) {
   int64_t const ctas = pair_ctas(p.chunks, p.HV, "kda_bwd_gate");
-  FLA_CULA_REQUIRE(p.lower_bound < 0.f, "kda_bwd_gate: lower_bound must be < 0, got " + std::to_string(p.lower_bound));
+  FLA_CULA_REQUIRE(p.softplus || p.lower_bound < 0.f,
+                   "kda_bwd_gate: lower_bound must be < 0, got " + std::to_string(p.lower_bound));
+  FLA_CULA_REQUIRE(!p.softplus || p.A_log != nullptr, "kda_bwd_gate: the softplus form needs A_log");
   if (ctas == 0) return;
   DeviceGuard guard(p.device);
   require_compute_capability(p.device, 9, 0, "kda_bwd_gate");
-  auto const kernel = p.g_raw_fp32 ? kda_sm90::kda_bwd_gate_kernel<true> : kda_sm90::kda_bwd_gate_kernel<false>;
+  auto const kernel = p.softplus ? (p.g_raw_fp32 ? kda_sm90::kda_bwd_gate_kernel<true, true>
+                                                 : kda_sm90::kda_bwd_gate_kernel<false, true>)
+                                 : (p.g_raw_fp32 ? kda_sm90::kda_bwd_gate_kernel<true, false>
+                                                 : kda_sm90::kda_bwd_gate_kernel<false, false>);
   kernel<<<dim3{unsigned(ctas)}, kda_sm90::kGateThreads, kda_sm90::kBwdGateSmemBytes,
            static_cast<cudaStream_t>(p.stream)>>>(p);
   FLA_CULA_CHECK_LAUNCH("kda_bwd_gate_kernel");

@@ -68,12 +68,12 @@ struct KdaBwdDvParams : KdaBwdLaunch {
 void run_kda_bwd_dv(KdaBwdDvParams const& params);
 
 // kda_bwd_intra: FLA's chunk_kda_bwd_intra, the gradients through the chunk-local Aqk and Akk added to the
-// incoming dq, dk, db, dg (kda_bwd_intra_kernel.cuh). Block products on mma.sync (bf16x3); needs a per-token gate
-// bound (lower_bound).
+// incoming dq, dk, db, dg (kda_bwd_intra_kernel.cuh). Block products on mma.sync (bf16x3); with a per-token gate
+// bound (lower_bound) or without one (gate_shift 0: per-channel anchors, wide channels summed pairwise).
 struct KdaBwdIntraParams : KdaBwdLaunch {
   void const* q;         // bf16 [B,T,H,128]
   void const* k;         // bf16 [B,T,H,128]
-  float const* g;        // fp32 [B,T,HV,128] chunk-local cumsum, log2 units, per-token steps >= -gate_shift
+  float const* g;        // fp32 [B,T,HV,128] chunk-local cumsum, log2 units, per-token steps in [-gate_shift, 0]
   float const* beta;     // fp32 [B,T,HV]
   float const* dAqk;     // fp32 [B,T,HV,64]: zero above the diagonal
   float const* dAkk;     // fp32 [B,T,HV,64]: zero on and above the diagonal
@@ -86,12 +86,12 @@ struct KdaBwdIntraParams : KdaBwdLaunch {
   float* dg_out;
   float* db_out;         // fp32 [B,T,HV], may be db
   int B, T, H, HV;
-  float gate_shift;      // -lower_bound / ln 2 (> 0)
+  float gate_shift;      // -lower_bound / ln 2 in (0, 16.6], or 0: no per-token bound (steps <= 0 only)
 };
 
 void run_kda_bwd_intra(KdaBwdIntraParams const& params);
 
-// kda_bwd_gate: FLA's chunk_local_cumsum(dg, reverse) and kda_gate_bwd (lower_bound form) in one pass
+// kda_bwd_gate: FLA's chunk_local_cumsum(dg, reverse) and kda_gate_bwd (lower_bound or softplus form) in one pass
 // (kda_bwd_gate_kernel.cuh): the gradient of the gate's input g_raw, and per-chunk partial sums of dA_log and
 // dt_bias's gradient for the host to add over the chunks.
 struct KdaBwdGateParams : KdaBwdLaunch {
@@ -101,7 +101,8 @@ struct KdaBwdGateParams : KdaBwdLaunch {
   void const* A_log;       // fp32 / bf16 [HV] or null (A = 1)
   void const* dt_bias;     // fp32 / bf16 [HV*128] or null
   bool A_log_fp32, dt_bias_fp32;
-  float lower_bound;       // < 0
+  bool softplus;           // the softplus form a = -exp(A_log) softplus(g_raw + dt_bias) (A_log required)
+  float lower_bound;       // < 0 (the lower_bound form a = lower_bound sigmoid(A (g_raw + dt_bias)))
   void* dg_raw;            // [B,T,HV,128] in g_raw's dtype
   float* dA_part;          // fp32 [chunks, HV], with A_log
   float* dbias_part;       // fp32 [chunks, HV*128], with dt_bias

@@ -1,8 +1,11 @@
-// Device code of kda_bwd_gate (kda_bwd.h): FLA 0.6.0's chunk_local_cumsum(dg, reverse) followed by kda_gate_bwd in
-// its lower_bound form, in one pass over dg. Per chunk and channel, with g the chunk-local cumsum of the per-token
-// gate a = lower_bound sigmoid(A gp), gp = g_raw + dt_bias, A = exp(A_log) or 1 (A_log, dt_bias fp32 or bf16):
-//   dyg[t] = sum_{s >= t in the chunk} dg[s],   dg_raw[t] = dyg[t] lower_bound s (1 - s) A,   s = sigmoid(A gp[t]),
-//   dA_log = sum dg_raw gp (dA / dA_log = A folded in),   d dt_bias = sum dg_raw.
+// Device code of kda_bwd_gate (kda_bwd.h): FLA 0.6.0's chunk_local_cumsum(dg, reverse) followed by kda_gate_bwd, in
+// one pass over dg. Per chunk and channel, with g the chunk-local cumsum of the per-token gate a, gp = g_raw +
+// dt_bias, A = exp(A_log) or 1 (A_log, dt_bias fp32 or bf16), dyg[t] = sum_{s >= t in the chunk} dg[s]:
+//   lower_bound form, a = lower_bound sigmoid(A gp):
+//     dg_raw[t] = dyg[t] lower_bound s (1 - s) A,   s = sigmoid(A gp[t]),   dA_log = sum dg_raw gp
+//   softplus form (kSoftplus), a = -A softplus(gp) (A_log required):
+//     dg_raw[t] = -dyg[t] A sigmoid(gp[t]),   dA_log = sum dyg a
+//   and d dt_bias = sum dg_raw (dA / dA_log = A folded in).
 // One CTA of 512 threads per (chunk, value head): thread (channel tid % 128, segment tid / 128 of 16 rows) issues all
 // its loads first (dg and g_raw of its 16 rows), takes suffix sums, adds the later segments' totals through shared
 // memory and writes dg_raw; the chunk's partial sums of dA_log and dt_bias go to dA_part / dbias_part for the host
@@ -32,7 +35,7 @@ constexpr int kBwdGateSmemBytes = int(sizeof(BwdGateStorage));
 
 // kF32: g_raw and dg_raw are fp32 (else bf16). Every load is unconditional (a tail's rows past L re-read row L - 1
 // and are zeroed after), so a thread's 32 loads are all in flight before the first is used.
-template <bool kF32>
+template <bool kF32, bool kSoftplus>
 __global__ void __launch_bounds__(kGateThreads) kda_bwd_gate_kernel(__grid_constant__ KdaBwdGateParams const p) {
   using Raw = std::conditional_t<kF32, float, __nv_bfloat16>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -78,14 +81,22 @@ __global__ void __launch_bounds__(kGateThreads) kda_bwd_gate_kernel(__grid_const
     } else {
       gp = __bfloat162float(gr[i]) + bias;
     }
-    float const sg = sigmoidf_(A * gp);
-    float const d = (x[i] + later) * (p.lower_bound * sg * (1.f - sg)) * A;
+    float const dy = x[i] + later;
+    float d;
+    if constexpr (kSoftplus) {  // softplus(gp) = log(1 + e^gp), gp itself from 20 on (FLA's threshold)
+      float const sp = gp < 20.f ? log1pf(expf(gp)) : gp;
+      d = -dy * A * sigmoidf_(gp);
+      da -= dy * A * sp;
+    } else {
+      float const sg = sigmoidf_(A * gp);
+      d = dy * (p.lower_bound * sg * (1.f - sg)) * A;
+      da += d * gp;
+    }
     if constexpr (kF32) {
       dg_raw[t * row] = d;
     } else {
       dg_raw[t * row] = __float2bfloat16_rn(d);
     }
-    da += d * gp;
     dbias += d;
   }
   __syncthreads();  // the segment totals read

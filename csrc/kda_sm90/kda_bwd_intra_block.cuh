@@ -14,8 +14,13 @@
 // (x = q or beta k), summed Horner-wise over the blocks with the per-channel D_m applied to the accumulators. The
 // diagonal block uses the anchor a_I = g_{r_I} - 7.5 shift (shift >= the largest per-token decay in log2,
 // safe_gate's -lower_bound / ln 2): its factors exp2(g_t - a_I), exp2(a_I - g_s) lie in [2^-7.5 shift, 2^7.5 shift],
-// inside fp32 for shift < 16.8 (lower_bound > -11.6). Each product is bf16x3: an fp32 operand x = hi + lo (two
-// bf16), hi hi + hi lo + lo hi with fp32 accumulation (~2^-17 relative; FLA: tf32, 2^-11). Warp w computes block
+// inside fp32 for shift < 16.8 (lower_bound > -11.6). Without a per-token bound (kWide: softplus or precomputed
+// gates) the anchors are per channel (diag_anchor): the midpoint of the block's span g_{r_I} - g_e (e its last row)
+// while the span is <= kSpanMax (factors within 2^(+-60)); past it the channel is "wide": its row side is anchored at
+// g_{r_I}, its column side at g_e (every factor <= 1), it leaves the block's own products, and its exact pairwise
+// terms are added in the epilogue (wide_share: up to 16 + 16 ex2 per (token, channel) there). Each product is
+// bf16x3: an fp32 operand x = hi + lo (two bf16), hi hi + hi lo + lo hi with fp32 accumulation (~2^-17 relative;
+// FLA: tf32, 2^-11). Warp w computes block
 // I = w % 4 on both sides for the 32 channels 32 (w / 4) ..: I + 1 block pairs on the row side, 4 - I on the
 // column side, five each (16 warps per chunk and value head). Shared tiles: g fp32 [64][kLdG], q, k bf16 [64][kLdK],
 // beta [64], dAqk, dAkk [64][kLdF] ([t][s]: fp32 as loaded, then split once per CTA by split_dA into the bf16 hi / lo
@@ -142,6 +147,26 @@ __device__ __forceinline__ void scale_columns(float (&acc)[4][4], int c0, int la
   }
 }
 
+// Entry (t, s) of a dA tile in split_dA's layout, as hi + lo
+__device__ __forceinline__ float dA_at(float const* tile, int t, int s) {
+  bf16 const* const row = reinterpret_cast<bf16 const*>(tile + t * kLdF + (s & ~7));
+  return __bfloat162float(row[s & 7]) + __bfloat162float(row[8 + (s & 7)]);
+}
+
+// The unbounded form's anchors of channel c in the diagonal block of rows r0 .. e (e its last row < L)
+struct DiagAnchor {
+  float row, col;  // the row side's factors are exp2(g_t - row), exp2(row - g_s); the column side's likewise
+  bool wide;
+};
+__device__ __forceinline__ DiagAnchor diag_anchor(float const* g, int r0, int e, int c) {
+  float const top = g[r0 * kLdG + c], bot = g[e * kLdG + c], span = top - bot;
+  if (span <= float(kSpanMax)) {
+    float const mid = top - 0.5f * span;
+    return {mid, mid, false};
+  }
+  return {top, bot, true};  // NaN spans too: their results are NaN either way
+}
+
 // The shared tiles of one (chunk, value head)
 struct IntraTiles {
   float const* g;
@@ -153,13 +178,16 @@ struct IntraTiles {
 };
 
 // The block products of warp (I, channels c0 ..): aq = dq', ak = dk' (row side), at = dkt (column side) of block I,
-// all relative to a_I (the epilogue's exp2(g_t - a_I), row side, and exp2(a_I - g_s), column side, still to apply).
-// Nothing for a block without tokens (I > top).
+// all relative to a_I (the epilogue's exp2(g_t - a_I), row side, and exp2(a_I - g_s), column side, still to apply;
+// kWide: the channel's diag_anchor row / col). Nothing for a block without tokens (I > top).
+template <bool kWide = false>
 __device__ __forceinline__ void intra_products(IntraTiles const& tl, int L, float shift, int I, int c0, int lane,
                                                float (&aq)[4][4], float (&ak)[4][4], float (&at)[4][4]) {
   int const g8 = lane >> 2, t4 = lane & 3, r0 = 16 * I, top = (L - 1) >> 4;
+  int const last = r0 + 15 < L - 1 ? r0 + 15 : L - 1;
   float const up = ex2(7.5f * shift), down = ex2(-7.5f * shift);  // exp2(+-(g_{r_I} - a_I))
   auto gs = [&](int t, int c) { return tl.g[t * kLdG + c]; };
+  auto anchor = [&](int c) { return diag_anchor(tl.g, r0, last, c); };
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
@@ -171,9 +199,15 @@ __device__ __forceinline__ void intra_products(IntraTiles const& tl, int L, floa
     bool const diag = J == I;
     if (J > 0 && !diag) scale_columns(aq, c0, lane, [&](int c) { return ex2(gs(16 * J + 16, c) - gs(16 * J, c)); });
     if (J > 0 && !diag) scale_columns(ak, c0, lane, [&](int c) { return ex2(gs(16 * J + 16, c) - gs(16 * J, c)); });
-    if (diag && I > 0) {
-      scale_columns(aq, c0, lane, [&](int) { return down; });  // exp2(g_t - g_{r_I}) = exp2(g_t - a_I) down
-      scale_columns(ak, c0, lane, [&](int) { return down; });
+    if (diag && I > 0) {  // exp2(g_t - g_{r_I}) = exp2(g_t - a_I) exp2(a_I - g_{r_I})
+      if constexpr (kWide) {
+        auto const f = [&](int c) { return ex2(anchor(c).row - gs(r0, c)); };
+        scale_columns(aq, c0, lane, f);
+        scale_columns(ak, c0, lane, f);
+      } else {
+        scale_columns(aq, c0, lane, [&](int) { return down; });
+        scale_columns(ak, c0, lane, [&](int) { return down; });
+      }
     }
     FragA3 const fq = frag_a<false>(tl.dAqk, r0, 16 * J, lane);  // s <= t
     FragA3 const fk = frag_a<false>(tl.dAkk, r0, 16 * J, lane);  // s < t
@@ -181,12 +215,20 @@ __device__ __forceinline__ void intra_products(IntraTiles const& tl, int L, floa
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       int const c = c0 + 8 * nt + g8;
-      float const ref = diag ? gs(r0, c) - 7.5f * shift : gs(16 * J + 16, c);
+      float ref = diag ? gs(r0, c) - 7.5f * shift : gs(16 * J + 16, c);
+      bool skip = false;  // a wide channel's own block: its terms come from wide_share
+      if constexpr (kWide) {
+        if (diag) {
+          DiagAnchor const a = anchor(c);
+          ref = a.row;
+          skip = a.wide;
+        }
+      }
       float x[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {  // tokens s = 16 J + 2 t4 + {0, 1, 8, 9}
         int const s = 16 * J + 2 * t4 + (e & 1) + 8 * (e >> 1);
-        x[e] = s < L ? kc(nt, e) * ex2(ref - gs(s, c)) : 0.f;
+        x[e] = s < L && !skip ? kc(nt, e) * ex2(ref - gs(s, c)) : 0.f;
       }
       Bf16x2Split const b0 = split_bf16x2(x[0], x[1]), b1 = split_bf16x2(x[2], x[3]);
       FragB3 const fb{{b0.hi, b1.hi}, {b0.lo, b1.lo}};
@@ -201,8 +243,12 @@ __device__ __forceinline__ void intra_products(IntraTiles const& tl, int L, floa
     bool const diag = J == I;
     if (J < top && !diag) scale_columns(at, c0, lane, [&](int c) { return ex2(gs(16 * J + 16, c) - gs(16 * J, c)); });
     if (diag && J < top) {
-      // exp2(g_{r_{I+1}} - g_s) = exp2(a_I - g_s) exp2(g_{r_{I+1}} - g_{r_I}) up
-      scale_columns(at, c0, lane, [&](int c) { return ex2(gs(r0 + 16, c) - gs(r0, c)) * up; });
+      // exp2(g_{r_{I+1}} - g_s) = exp2(a_I - g_s) exp2(g_{r_{I+1}} - a_I), exp2(g_{r_I} - a_I) = up
+      if constexpr (kWide) {
+        scale_columns(at, c0, lane, [&](int c) { return ex2(gs(r0 + 16, c) - anchor(c).col); });
+      } else {
+        scale_columns(at, c0, lane, [&](int c) { return ex2(gs(r0 + 16, c) - gs(r0, c)) * up; });
+      }
     }
     FragA3 const fq = frag_a<true>(tl.dAqk, r0, 16 * J, lane);  // A[s][t] = dAqk[t][s], t >= s
     FragA3 const fk = frag_a<true>(tl.dAkk, r0, 16 * J, lane);  // t > s
@@ -210,12 +256,20 @@ __device__ __forceinline__ void intra_products(IntraTiles const& tl, int L, floa
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       int const c = c0 + 8 * nt + g8;
-      float const ref = diag ? gs(r0, c) - 7.5f * shift : gs(16 * J, c);
+      float ref = diag ? gs(r0, c) - 7.5f * shift : gs(16 * J, c);
+      bool skip = false;
+      if constexpr (kWide) {
+        if (diag) {
+          DiagAnchor const a = anchor(c);
+          ref = a.col;
+          skip = a.wide;
+        }
+      }
       float xq[4], xk[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {  // tokens t = 16 J + 2 t4 + {0, 1, 8, 9}
         int const t = 16 * J + 2 * t4 + (e & 1) + 8 * (e >> 1);
-        float const f = t < L ? ex2(gs(t, c) - ref) : 0.f;
+        float const f = t < L && !skip ? ex2(gs(t, c) - ref) : 0.f;
         xq[e] = qc(nt, e) * f;
         xk[e] = tl.beta[t] * kc(nt, e) * f;
       }
@@ -227,18 +281,41 @@ __device__ __forceinline__ void intra_products(IntraTiles const& tl, int L, floa
   }
 }
 
+// A wide channel c's terms within its diagonal block (rows r0 .. e), pairwise with every factor <= 1: row t's
+// dq' and dk' (s <= t) and column t's dkt (u >= t)
+struct WideShare {
+  float q, k, t;
+};
+__device__ __forceinline__ WideShare wide_share(IntraTiles const& tl, int r0, int e, int t, int c) {
+  float const gt = tl.g[t * kLdG + c];
+  WideShare w{0.f, 0.f, 0.f};
+#pragma unroll 1
+  for (int s = r0; s <= t; ++s) {  // dAkk is zero on its diagonal
+    float const x = ex2(gt - tl.g[s * kLdG + c]) * __bfloat162float(tl.k[s * kLdK + c]);
+    w.q += dA_at(tl.dAqk, t, s) * x;
+    w.k += dA_at(tl.dAkk, t, s) * x;
+  }
+#pragma unroll 1
+  for (int u = t; u <= e; ++u) {
+    float const f = ex2(tl.g[u * kLdG + c] - gt);
+    w.t += f * (dA_at(tl.dAqk, u, t) * __bfloat162float(tl.q[u * kLdK + c]) +
+                dA_at(tl.dAkk, u, t) * tl.beta[u] * __bfloat162float(tl.k[u * kLdK + c]));
+  }
+  return w;
+}
+
 // The step's outputs at warp (I, c0)'s accumulator positions (rows t = 16 I + g8 + 8 h < L, channels c = c0 + 8 nt
 // + 2 t4, c + 1): in(t, c) gives the incoming dq, dk, dg there (IntraIn), out(t, c, IntraIn, h, nt) takes the results;
 // dbp[h] gains this lane's share of row t's db term (sum over its channels of dk' k).
 struct IntraIn {
   float2 dq, dk, dg;
 };
-template <class In, class Out>
+template <bool kWide = false, class In, class Out>
 __device__ __forceinline__ void intra_epilogue(IntraTiles const& tl, int L, float shift, int I, int c0, int lane,
                                                float const (&aq)[4][4], float const (&ak)[4][4],
                                                float const (&at)[4][4], float (&dbp)[2], In const& in,
                                                Out const& out) {
-  int const g8 = lane >> 2, t4 = lane & 3, r0 = 16 * I;
+  int const g8 = lane >> 2, t4 = lane & 3, r0 = 16 * I, last = r0 + 15 < L - 1 ? r0 + 15 : L - 1;
   if (I > (L - 1) >> 4) return;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -255,9 +332,21 @@ __device__ __forceinline__ void intra_epilogue(IntraTiles const& tl, int L, floa
       float rq[2], rk[2], rg[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float const a = tl.g[r0 * kLdG + c + e] - 7.5f * shift, gt = tl.g[t * kLdG + c + e];
-        float const eq = ex2(gt - a), es = ex2(a - gt);
-        float const dq2 = eq * aq[nt][2 * h + e], dk2 = eq * ak[nt][2 * h + e], dkt = es * at[nt][2 * h + e];
+        float const gt = tl.g[t * kLdG + c + e];
+        float dq2, dk2, dkt;
+        if constexpr (kWide) {
+          DiagAnchor const a = diag_anchor(tl.g, r0, last, c + e);
+          float const eq = ex2(gt - a.row), es = ex2(a.col - gt);
+          dq2 = eq * aq[nt][2 * h + e], dk2 = eq * ak[nt][2 * h + e], dkt = es * at[nt][2 * h + e];
+          if (a.wide) {
+            WideShare const w = wide_share(tl, r0, last, t, c + e);
+            dq2 += w.q, dk2 += w.k, dkt += w.t;
+          }
+        } else {
+          float const a = tl.g[r0 * kLdG + c + e] - 7.5f * shift;
+          float const eq = ex2(gt - a), es = ex2(a - gt);
+          dq2 = eq * aq[nt][2 * h + e], dk2 = eq * ak[nt][2 * h + e], dkt = es * at[nt][2 * h + e];
+        }
         float const kk = __bfloat162float(tl.k[t * kLdK + c + e]), qq = __bfloat162float(tl.q[t * kLdK + c + e]);
         dbp[h] += dk2 * kk;
         rq[e] = (e ? x.dq.y : x.dq.x) + dq2;

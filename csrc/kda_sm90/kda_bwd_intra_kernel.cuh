@@ -26,6 +26,8 @@ struct BwdIntraStorage {
 };
 constexpr int kBwdIntraSmemBytes = int(sizeof(BwdIntraStorage));
 
+// kWide: no per-token gate bound (gate_shift 0: softplus or precomputed gates; kda_bwd_intra_block.cuh's diag_anchor)
+template <bool kWide>
 __global__ void __launch_bounds__(kIntraThreads, 1) kda_bwd_intra_kernel(__grid_constant__ KdaBwdIntraParams const p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   BwdIntraStorage& sm = *reinterpret_cast<BwdIntraStorage*>(smem_raw);
@@ -76,11 +78,11 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_bwd_intra_kernel(__grid_
 
   IntraTiles const tl{sm.g, sm.q, sm.k, sm.beta, sm.dAqk, sm.dAkk};
   float aq[4][4], ak[4][4], at[4][4];
-  intra_products(tl, L, p.gate_shift, I, c0, lane, aq, ak, at);
+  intra_products<kWide>(tl, L, p.gate_shift, I, c0, lane, aq, ak, at);
   cp_async_wait_all();
   __syncthreads();
   float dbp[2] = {0.f, 0.f};
-  intra_epilogue(
+  intra_epilogue<kWide>(
       tl, L, p.gate_shift, I, c0, lane, aq, ak, at, dbp,
       [&](int t, int c) {
         auto at2 = [&](float const* x) { return *reinterpret_cast<float2 const*>(x + t * kLdK + c); };

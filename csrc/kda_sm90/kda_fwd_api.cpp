@@ -573,7 +573,8 @@ void kda_bwd_dv_api(py::handle Aqk_obj, py::handle do_obj, py::handle dv_obj, py
 void kda_bwd_intra_api(py::handle q_obj, py::handle k_obj, py::handle g_obj, py::handle beta_obj, py::handle dAqk_obj,
                        py::handle dAkk_obj, py::handle dq_obj, py::handle dk_obj, py::handle dg_obj,
                        py::handle db_obj, py::handle dq_out_obj, py::handle dk_out_obj, py::handle dg_out_obj,
-                       py::handle db_out_obj, double gate_shift, py::handle cu_obj, py::handle chunk_indices_obj) {
+                       py::handle db_out_obj, py::handle gate_shift_obj, py::handle cu_obj,
+                       py::handle chunk_indices_obj) {
   TensorArg q = tensor_arg(q_obj, "q"), k = tensor_arg(k_obj, "k"), g = tensor_arg(g_obj, "g");
   HeadDims const d = expect_qk_and_heads(q, k, g, {dtype::kFloat32});
   auto const [B, T, H, HV] = d;
@@ -595,8 +596,10 @@ void kda_bwd_intra_api(py::handle q_obj, py::handle k_obj, py::handle g_obj, py:
   TensorArg const dg_out = expect_f32(dg_out_obj, "dg_out", vs, "(B, T, HV, 128) as g");
   TensorArg const db = expect_f32(db_obj, "db", bs, "(B, T, HV)");
   TensorArg const db_out = expect_f32(db_out_obj, "db_out", bs, "(B, T, HV)");
-  if (!(gate_shift > 0.0)) {
-    throw py::value_error("gate_shift: expected > 0 (-lower_bound / ln 2 under safe_gate), got " +
+  // None: no per-token bound (softplus or precomputed gates), passed on as 0
+  double const gate_shift = gate_shift_obj.is_none() ? 0.0 : gate_shift_obj.cast<double>();
+  if (!gate_shift_obj.is_none() && !(gate_shift > 0.0)) {
+    throw py::value_error("gate_shift: expected > 0 (-lower_bound / ln 2 under safe_gate) or None, got " +
                           std::to_string(gate_shift));
   }
   KdaBwdIntraParams p{};
@@ -615,8 +618,8 @@ void kda_bwd_intra_api(py::handle q_obj, py::handle k_obj, py::handle g_obj, py:
   run_kda_bwd_intra(p);
 }
 void kda_bwd_gate_api(py::handle dg_obj, py::handle g_raw_obj, py::handle A_log_obj, py::handle dt_bias_obj,
-                      double lower_bound, py::handle dg_raw_obj, py::handle dA_part_obj, py::handle dbias_part_obj,
-                      py::handle cu_obj, py::handle chunk_indices_obj) {
+                      py::handle lower_bound_obj, py::handle dg_raw_obj, py::handle dA_part_obj,
+                      py::handle dbias_part_obj, py::handle cu_obj, py::handle chunk_indices_obj) {
   TensorArg dg = tensor_arg(dg_obj, "dg");
   expect_dtype(dg, {dtype::kFloat32});
   expect_ndim(dg, 4);
@@ -628,7 +631,14 @@ void kda_bwd_gate_api(py::handle dg_obj, py::handle g_raw_obj, py::handle A_log_
   TensorArg g_raw = tensor_arg(g_raw_obj, "g_raw"), dg_raw = tensor_arg(dg_raw_obj, "dg_raw");
   expect_tensor(g_raw, {dtype::kBFloat16, dtype::kFloat32}, vs, "(B, T, HV, 128) as dg", &dg);
   expect_tensor(dg_raw, {g_raw.dtype}, vs, "(B, T, HV, 128) as dg, g_raw's dtype", &dg);
-  if (!(lower_bound < 0.0)) throw py::value_error("lower_bound: expected < 0, got " + std::to_string(lower_bound));
+  bool const softplus = lower_bound_obj.is_none();  // None: the softplus form
+  double const lower_bound = softplus ? 0.0 : lower_bound_obj.cast<double>();
+  if (!softplus && !(lower_bound < 0.0)) {
+    throw py::value_error("lower_bound: expected < 0 or None (the softplus form), got " + std::to_string(lower_bound));
+  }
+  if (softplus && A_log_obj.is_none()) {
+    throw py::value_error("A_log: expected a tensor in the softplus form (lower_bound None), got None");
+  }
   KdaBwdGateParams p{};
   int64_t const chunks = chunk_list(p, cu_obj, chunk_indices_obj, dg, {B, T, HV, HV}, "kda_bwd_gate");
   bool a_fp32 = true, b_fp32 = true;
@@ -656,6 +666,7 @@ void kda_bwd_gate_api(py::handle dg_obj, py::handle g_raw_obj, py::handle A_log_
   p.dt_bias = b;
   p.A_log_fp32 = a_fp32;
   p.dt_bias_fp32 = b_fp32;
+  p.softplus = softplus;
   p.lower_bound = static_cast<float>(lower_bound);
   p.dg_raw = dg_raw.data;
   p.B = static_cast<int>(B);
@@ -671,9 +682,10 @@ void register_kda_fwd(py::module_& m) {
         py::arg("lower_bound"), py::arg("dg_raw"), py::arg("dA_part"), py::arg("dbias_part"),
         py::arg("cu_seqlens") = py::none(), py::arg("chunk_indices") = py::none(),
         "Enqueue kda_bwd_gate (csrc/kda_sm90/kda_bwd.h) on the current stream of dg's device: FLA 0.6.0's\n"
-        "chunk_local_cumsum(dg, reverse) and kda_gate_bwd (lower_bound form) in one pass. fp32 dg [B,T,HV,128] (the\n"
-        "gradient w.r.t. the chunk-local cumsum of the gate), g_raw [B,T,HV,128] bf16 or fp32 (the gate's input),\n"
-        "A_log [HV] / dt_bias [HV*128] (fp32 or bf16) or None, lower_bound < 0. Writes dg_raw (g_raw's shape and\n"
+        "chunk_local_cumsum(dg, reverse) and kda_gate_bwd in one pass. fp32 dg [B,T,HV,128] (the gradient w.r.t.\n"
+        "the chunk-local cumsum of the gate), g_raw [B,T,HV,128] bf16 or fp32 (the gate's input), A_log [HV] /\n"
+        "dt_bias [HV*128] (fp32 or bf16) or None, lower_bound < 0 (the gate lower_bound sigmoid(.)) or None (the\n"
+        "softplus gate -exp(A_log) softplus(.), A_log required). Writes dg_raw (g_raw's shape and\n"
         "dtype) and, with A_log / dt_bias, fp32 dA_part [chunks, HV] / dbias_part [chunks, HV*128] (else None):\n"
         "per-chunk partial sums whose sums over the chunks are dA_log's and dt_bias's gradients. Varlen as\n"
         "kda_bwd_wy. All contiguous.\n"
@@ -693,8 +705,9 @@ void register_kda_fwd(py::module_& m) {
         "chunk_kda_bwd_intra. bf16 q, k [B,T,H,128]; fp32 g [B,T,HV,128] (chunk-local cumsum, log2, per-token steps\n"
         ">= -gate_shift), beta [B,T,HV], dAqk, dAkk [B,T,HV,64], incoming dq, dk, dg [B,T,HV,128] and db [B,T,HV];\n"
         "writes dq_out, dk_out, dg_out, db_out (same shapes; may be the incoming tensors) on the sequences' rows.\n"
-        "gate_shift = -lower_bound / ln 2 > 0 (safe_gate). Varlen as kda_bwd_wy. TypeError / ValueError before any\n"
-        "CUDA call, RuntimeError for CUDA errors.");
+        "gate_shift = -lower_bound / ln 2 > 0 (safe_gate), or None where no per-token bound holds (softplus or\n"
+        "precomputed gates: per-channel anchors, a block's channel past a span of 120 summed pairwise). Varlen as\n"
+        "kda_bwd_wy. TypeError / ValueError before any CUDA call, RuntimeError for CUDA errors.");
   m.def("kda_bwd_wy", &kda_bwd_wy_api, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("v_new"), py::arg("g"),
         py::arg("beta"), py::arg("A"), py::arg("h"), py::arg("do"), py::arg("dh"), py::arg("dv"), py::arg("dq"),
         py::arg("dk"), py::arg("dv2"), py::arg("dg"), py::arg("db"), py::arg("dA"), py::arg("scale"),

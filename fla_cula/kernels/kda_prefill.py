@@ -7,9 +7,9 @@ the state on chip across chunks; l2norm, beta sigmoid and the bounded gate fused
 Scope of v1 (everything else returns a reason and runs FLA):
   - q, k, v, g bfloat16, K = V = 128, HV % H == 0 (GVA); beta bf16 or fp32 [B,T,HV];
   - use_gate_in_kernel with lower_bound in [-5, 0): a = lb * sigmoid(exp(A_log) * (g + dt_bias))
-    (A_log / dt_bias fp32 or bf16, or None); safe_gate either way; and, on the two-kernel form in inference, the
-    unbounded gates: use_gate_in_kernel without lower_bound (a = -exp(A_log) * softplus(g + dt_bias)) and a
-    precomputed log decay g (``gate_form``), inference only (UNBOUNDED_GRAD_REASON);
+    (A_log / dt_bias fp32 or bf16, or None); safe_gate either way; and, on the two-kernel form, the unbounded
+    gates: use_gate_in_kernel without lower_bound (a = -exp(A_log) * softplus(g + dt_bias)) and a precomputed log
+    decay g (``gate_form``; under grad its chunk-local cumsum is FLA's chunk_local_cumsum, as FLA's forward makes it);
   - use_qk_l2norm_in_kernel and use_beta_sigmoid_in_kernel (allow_neg_eigval) on or off;
   - initial_state fp32 in either layout or None; output_final_state; return_intermediate_states (inference: the
     chunk-start states h, bf16); fixed length and varlen;
@@ -30,7 +30,8 @@ import math
 
 import torch
 from fla.ops.common.gate import fused_beta_sigmoid_fwd
-from fla.ops.utils import prepare_chunk_indices, prepare_chunk_offsets
+from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices, prepare_chunk_offsets
+from fla.ops.utils.constant import RCP_LN2
 
 from fla_cula import _ext, routing
 from fla_cula.ops.chunk_autograd import KDAChunkConfig, KDAForward, needs_grad
@@ -44,9 +45,12 @@ if not hasattr(_C, "kda_fwd"):
 
 HEAD_DIM = 128
 CHUNK = 64
-UNBOUNDED_GRAD_REASON = ("unbounded gate (softplus / precomputed g) under grad: the backward's chunk-local step "
-                         "needs a per-token gate bound (FLA's would run it; that pairing is not yet verified)")
 UNBOUNDED_OFF_REASON = "unbounded gate (softplus / precomputed g): the two-kernel form only (turned off by set_tuning)"
+# Under grad the unbounded gates take our backward's unbounded intra form and softplus gate step (emulated on the
+# CPU); False until the strict GPU suite (tests/gpu/test_kda_prefill.py::test_grad_unbounded) has passed on a GPU.
+UNBOUNDED_GRAD_VERIFIED = False
+UNBOUNDED_GRAD_REASON = ("unbounded gate (softplus / precomputed g) under grad: the backward's unbounded intra form "
+                         "is not yet verified on a GPU (UNBOUNDED_GRAD_VERIFIED)")
 _BF16 = torch.bfloat16
 _PARAM_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -109,7 +113,7 @@ def _aligned(x: torch.Tensor, n: int = 16) -> bool:
 def gate_form(cfg: KDAChunkConfig) -> str:
     """The kernel's gate form of a call: 'sigmoid_lb' (use_gate_in_kernel with lower_bound: bounded, every form of
     the kernel), 'softplus' (use_gate_in_kernel without it) or 'precomputed' (g is the log decay); the last two are
-    unbounded: the prep kernel only (the two-kernel form), inference only."""
+    unbounded: the prep kernel only (the two-kernel form)."""
     if not cfg.use_gate_in_kernel:
         return "precomputed"
     return "softplus" if cfg.lower_bound is None else "sigmoid_lb"
@@ -465,7 +469,7 @@ def _size_reason(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu
     if unbounded and (_TUNING["two_kernel"] is False or not _TUNING["wgmma"]):
         return UNBOUNDED_OFF_REASON
     if needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
-        if unbounded:
+        if unbounded and not UNBOUNDED_GRAD_VERIFIED:
             return UNBOUNDED_GRAD_REASON
         if cfg.chunk_size != CHUNK:
             return f"v1: chunk_size={cfg.chunk_size} under grad (Aqk/Akk are written for chunk 64)"
@@ -582,7 +586,11 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seq
         chunk_indices = prepare_chunk_indices(cu_seqlens=cu_seqlens, chunk_size=CHUNK, cu_seqlens_cpu=cu_seqlens_cpu)
     if qk_kw:
         q, k = qk_kw["q_hat"], qk_kw["k_hat"]
-    return KDAForward(o, ht, q=q, q_rstd=q_rstd, k=k, k_rstd=k_rstd, beta=beta, g_cumsum=None, Aqk=Aqk, Akk=Akk,
+    g_cumsum = None  # the in-kernel gate's backward recomputes it from g; a precomputed g's is FLA's, as FLA saves it
+    if not cfg.use_gate_in_kernel:
+        g_cumsum = chunk_local_cumsum(g, chunk_size=CHUNK, scale=RCP_LN2, cu_seqlens=cu_seqlens,
+                                      chunk_indices=chunk_indices)
+    return KDAForward(o, ht, q=q, q_rstd=q_rstd, k=k, k_rstd=k_rstd, beta=beta, g_cumsum=g_cumsum, Aqk=Aqk, Akk=Akk,
                       initial_state=initial_state, chunk_indices=chunk_indices, chunk_offsets=None)
 
 

@@ -38,8 +38,8 @@ FLA_CHUNK_KDA_BWD_INTRA = chunk_kda_bwd_intra
 # stand-in's training path is FLA's backward bit for bit (tests/gpu/test_training_path.py, test_integration_gpu.py).
 WY_KERNEL = True
 INTRA_KERNEL = True
-# kda_bwd_intra's anchors form exp2 factors up to 2^(7.5 shift), shift = -lower_bound / ln 2: within fp32 (< 2^126)
-# for lower_bound >= -11.5 (csrc/kda_sm90/kda_bwd_intra_kernel.cuh)
+# kda_bwd_intra's bounded anchors form exp2 factors up to 2^(7.5 shift), shift = -lower_bound / ln 2: within fp32
+# (< 2^126) for lower_bound >= -11.5 (csrc/kda_sm90/kda_bwd_intra_block.cuh); below it, the unbounded form
 INTRA_MIN_LOWER_BOUND = -11.5
 # True: where both kernels apply, the intra step runs inside kda_bwd_wy's kernel (one pass over each chunk: dAkk
 # never leaves shared memory; dq, dk, dg are re-read from L2); False: kda_bwd_intra runs after kda_bwd_wy.
@@ -51,7 +51,7 @@ FUSED_L2NORM = True
 # chunk_kda_bwd_dAv for dv (its dAqk unused).
 DV_KERNEL = True
 # False: FLA's chunk_local_cumsum(dg, reverse) and kda_gate_bwd; True: _C.kda_bwd_gate (both in one pass) where the
-# gate is computed in kernel with lower_bound.
+# gate is computed in kernel (lower_bound sigmoid form, or the softplus form with A_log).
 GATE_KERNEL = True
 
 
@@ -159,18 +159,20 @@ def bwd_dv(q, k, v_new, do, Aqk, scale, cu_seqlens, chunk_indices, chunk_size):
     return dv
 
 
-def intra_reason(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size: int, safe_gate: bool,
-                 lower_bound, gate_in_kernel: bool = False) -> str | None:
+def intra_shift(lower_bound, safe_gate: bool, gate_in_kernel: bool) -> float | None:
+    """kda_bwd_intra's gate_shift, -lower_bound / ln 2, where every per-token step of g lies in [lower_bound, 0] and
+    the bounded form's anchors fit fp32; None: its unbounded form (per-channel anchors, wide channels pairwise), the
+    standalone kernel only. FLA's in-kernel gate with lower_bound is lower_bound * sigmoid(.) by construction; a
+    precomputed gate has the bound only as safe_gate's promise."""
+    if (lower_bound is None or not INTRA_MIN_LOWER_BOUND <= lower_bound < 0
+            or not (safe_gate or gate_in_kernel)):
+        return None
+    return -lower_bound * RCP_LN2
+
+
+def intra_reason(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size: int) -> str | None:
     """Why kda_bwd_intra cannot take these tensors (None: it can; dAkk, dq, dk, db, dg may be None: the fused form,
     where kda_bwd_wy's kernel makes them)."""
-    # every per-token step of g in [lower_bound, 0]: FLA's in-kernel gate with lower_bound is lower_bound * sigmoid(.)
-    # by construction; a precomputed gate has it only as safe_gate's promise
-    if lower_bound is None or not lower_bound < 0 or not (safe_gate or gate_in_kernel):
-        return ("a per-token gate bound needed: lower_bound < 0 with the gate computed in kernel or safe_gate (the "
-                "kernel's exp2 anchors rely on it)")
-    if lower_bound < INTRA_MIN_LOWER_BOUND:
-        return (f"lower_bound={lower_bound} < {INTRA_MIN_LOWER_BOUND}: the kernel's anchored exp2 factors "
-                "(up to 2^(-7.5 lower_bound / ln 2)) would leave fp32")
     ok, why = _ext.available()
     if not ok:
         return why
@@ -200,9 +202,7 @@ def bwd_intra(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens, chunk_indic
               lower_bound, gate_in_kernel=False):
     """FLA's chunk_kda_bwd_intra (same arguments and results): -> dq, dk, db, dg."""
     use = INTRA_KERNEL and routing.enabled() and not routing.stand_in()
-    reason = (intra_reason(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size, safe_gate, lower_bound,
-                           gate_in_kernel)
-              if use else None)
+    reason = intra_reason(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, chunk_size) if use else None
     if not use or reason is not None:
         if reason is not None:
             routing.record_fallback(OP_INTRA, reason)
@@ -213,7 +213,7 @@ def bwd_intra(q, k, g, beta, dAqk, dAkk, dq, dk, db, dg, cu_seqlens, chunk_indic
         chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
     dq2, dk2, dg2, db2 = torch.empty_like(dq), torch.empty_like(dk), torch.empty_like(dg), torch.empty_like(db)
     _ext.require().kda_bwd_intra(q, k, g, beta, dAqk, dAkk, dq, dk, dg, db, dq2, dk2, dg2, db2,
-                                 -lower_bound * RCP_LN2, cu_seqlens, chunk_indices)
+                                 intra_shift(lower_bound, safe_gate, gate_in_kernel), cu_seqlens, chunk_indices)
     routing.record_kernel(OP_INTRA)
     return dq2, dk2, db2, dg2
 
@@ -226,8 +226,10 @@ def gate_reason(dg, g_org, A_log, dt_bias, lower_bound, chunk_size: int) -> str 
     r = routing.device_reason(*(t for t in (dg, g_org, A_log, dt_bias) if t is not None))
     if r is not None:
         return r
-    if lower_bound is None or not lower_bound < 0:
-        return f"lower_bound={lower_bound}: the kernel takes the gate's lower_bound < 0 form"
+    if lower_bound is None and A_log is None:
+        return "the softplus gate (lower_bound None) without A_log: the kernel's softplus form takes A_log"
+    if lower_bound is not None and not lower_bound < 0:
+        return f"lower_bound={lower_bound}: the kernel takes lower_bound < 0 or None (the softplus gate)"
     if chunk_size != 64:
         return f"chunk_size={chunk_size}: the kernel takes 64"
     if g_org.shape[-1] != 128 or g_org.shape != dg.shape:
@@ -292,8 +294,8 @@ def chunk_kda_bwd(q, k, v, beta, Aqk, Akk, scale, initial_state, do, dht, g=None
                                                    chunk_size=chunk_size, state_v_first=state_v_first)
     # the intra step fused into kda_bwd_wy's kernel, which makes dAqk itself: dv alone here
     fuse = (FUSED_INTRA and INTRA_KERNEL and routing.enabled() and not routing.stand_in()
-            and intra_reason(q, k, g, beta, None, None, None, None, None, None, chunk_size, safe_gate,
-                             lower_bound, use_gate_in_kernel) is None)
+            and intra_shift(lower_bound, safe_gate, use_gate_in_kernel) is not None
+            and intra_reason(q, k, g, beta, None, None, None, None, None, None, chunk_size) is None)
     if fuse:
         dAqk, dv = None, bwd_dv(q, k, v_new, do, Aqk, scale, cu_seqlens, chunk_indices, chunk_size)
     else:

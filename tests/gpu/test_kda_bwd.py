@@ -121,29 +121,34 @@ def test_training_step_runs_the_kernel_strict(strict_mode, monkeypatch, knob):
         assert rel_rms(b.double(), a.double()) < 2e-2, f"{n}: rel RMS vs FLA {rel_rms(b.double(), a.double()):.2e}"
 
 
+@pytest.mark.parametrize("form", ["bounded", "unbounded"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_bwd_intra_against_fp64_and_fla(case):
+def test_bwd_intra_against_fp64_and_fla(case, form):
     """kda_bwd_intra's added terms (the output less the incoming gradient) against the fp64 model, within 1.5x of
-    FLA's chunk_kda_bwd_intra's error on the same inputs (FLA: tf32 products off the diagonal sub-chunks)."""
+    FLA's chunk_kda_bwd_intra's error on the same inputs (FLA: tf32 products off the diagonal sub-chunks). unbounded:
+    softplus-like gates with decays of 150 (log2) at a few places (gate_shift None: per-channel anchors, the wide
+    channels pairwise) against FLA's safe_gate=False form."""
     import math
 
+    unbounded = form == "unbounded"
     kw = {n: v for n, v in CASES[case].items() if n != "state_v_first"}
     lens = kw.get("lens")
-    x = _cuda(bwd_intra_inputs(**kw, seed=11))
+    x = _cuda(bwd_intra_inputs(**kw, seed=11, unbounded=unbounded))
     ci = None if lens is None else chunk_indices_of(lens).cuda()
     cu = x["cu_seqlens"]
     before = {n: t.clone() for n, t in x.items() if isinstance(t, torch.Tensor)}
     out = {n: torch.full_like(x[n], float("nan")) for n in ("dq", "dk", "dg", "db")}
     _ext.require().kda_bwd_intra(x["q"], x["k"], x["g"], x["beta"], x["dAqk"], x["dAkk"], x["dq"], x["dk"], x["dg"],
-                                 x["db"], out["dq"], out["dk"], out["dg"], out["db"], -LOWER_BOUND / math.log(2), cu,
-                                 ci)
+                                 x["db"], out["dq"], out["dk"], out["dg"], out["db"],
+                                 None if unbounded else -LOWER_BOUND / math.log(2), cu, ci)
     torch.cuda.synchronize()
     for n, t in before.items():
         assert torch.equal(t, x[n]), f"input {n} modified"
     fdq, fdk, fdb, fdg = kda_bwd.FLA_CHUNK_KDA_BWD_INTRA(
         q=x["q"], k=x["k"], g=x["g"], beta=x["beta"], dAqk=x["dAqk"], dAkk=x["dAkk"], dq=x["dq"].clone(),
         dk=x["dk"].clone(), db=x["db"].clone(), dg=x["dg"].clone(), cu_seqlens=cu,
-        chunk_indices=None if ci is None else ci.long(), chunk_size=64, safe_gate=True, lower_bound=LOWER_BOUND)
+        chunk_indices=None if ci is None else ci.long(), chunk_size=64, safe_gate=not unbounded,
+        lower_bound=None if unbounded else LOWER_BOUND)
     fla = {"dq": fdq, "dk": fdk, "db": fdb, "dg": fdg}
     cpu = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
     ref = bwd_intra_reference(cpu["q"], cpu["k"], cpu["g"], cpu["beta"], cpu["dAqk"], cpu["dAkk"], cpu["dq"], cpu["dk"],
@@ -157,7 +162,18 @@ def test_bwd_intra_against_fp64_and_fla(case):
         e_fla = rel_rms(fla[n].cpu().double() - inc, ref[n] - inc)
         report.append(f"{n} {e_ours:.2e}/{e_fla:.2e}")
         assert e_ours <= 1.5 * e_fla + 1e-5, f"{n}: rel RMS vs fp64 {e_ours:.2e}, FLA's {e_fla:.2e}"
-    print(f"  {case}: intra terms, ours / FLA vs fp64: " + " ".join(report))
+    print(f"  {case} {form}: intra terms, ours / FLA vs fp64: " + " ".join(report))
+
+
+def test_bwd_intra_rejects_bad_gate_shift():
+    """gate_shift: > 0 up to 16.6 (the bounded form) or None (the unbounded one); 0 and past 16.6 are ValueErrors."""
+    x = _cuda(bwd_intra_inputs(B=1, T=64, H=1, HV=1, seed=3))
+    outs = [torch.empty_like(x[n]) for n in ("dq", "dk", "dg", "db")]
+    args = [x[n] for n in ("q", "k", "g", "beta", "dAqk", "dAkk", "dq", "dk", "dg", "db")] + outs
+    C = _ext.require()
+    for bad in (0.0, -1.0, 20.0):
+        with pytest.raises(ValueError, match="gate_shift"):
+            C.kda_bwd_intra(*args, bad)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -361,6 +377,10 @@ GATE_GPU_CASES = {
     "B2-T1000-HV4-bf16": dict(B=2, T=1000, HV=4, dtype=torch.bfloat16),
     "B1-T4096-HV8-fp32-noA": dict(B=1, T=4096, HV=8, dtype=torch.float32, A_log=False),
     "varlen-5seq-bf16-nobias": dict(B=1, T=1100, HV=2, dtype=torch.bfloat16, lens=[1, 63, 64, 65, 907], dt_bias=False),
+    # the softplus gate -exp(A_log) softplus(g_raw + dt_bias) (lower_bound None)
+    "softplus-B2-T1000-HV4-bf16": dict(B=2, T=1000, HV=4, dtype=torch.bfloat16, lb=None),
+    "softplus-varlen-5seq-fp32-nobias": dict(B=1, T=1100, HV=2, dtype=torch.float32, lens=[1, 63, 64, 65, 907],
+                                             dt_bias=False, lb=None),
 }
 
 
@@ -376,7 +396,7 @@ def test_bwd_gate_against_fp64_and_fla(case):
     from tests.test_kda_bwd_compile import gate_bwd_reference
 
     kw = dict(GATE_GPU_CASES[case])
-    B, T, HV, dt, lens = kw["B"], kw["T"], kw["HV"], kw["dtype"], kw.get("lens")
+    B, T, HV, dt, lens, lb = kw["B"], kw["T"], kw["HV"], kw["dtype"], kw.get("lens"), kw.get("lb", LOWER_BOUND)
     gen = torch.Generator().manual_seed(len(case))
     dg = torch.randn(B, T, HV, 128, generator=gen).cuda()
     g_raw = (torch.randn(B, T, HV, 128, generator=gen) * 2).to(dt).cuda()
@@ -389,16 +409,16 @@ def test_bwd_gate_against_fp64_and_fla(case):
     dg_raw = torch.full_like(g_raw, float("nan"))
     dA_part = torch.empty(chunks, HV, device="cuda") if A_log is not None else None
     dbias_part = torch.empty(chunks, HV * 128, device="cuda") if dt_bias is not None else None
-    _ext.require().kda_bwd_gate(dg, g_raw, A_log, dt_bias, LOWER_BOUND, dg_raw, dA_part, dbias_part, cu, ci)
+    _ext.require().kda_bwd_gate(dg, g_raw, A_log, dt_bias, lb, dg_raw, dA_part, dbias_part, cu, ci)
     dyg = chunk_local_cumsum(dg, chunk_size=64, reverse=True, cu_seqlens=cu,
                              chunk_indices=None if ci is None else ci.long())
-    f_dg, f_dA, f_dbias = kda_gate_bwd(g=g_raw, A_log=A_log, dt_bias=dt_bias, dyg=dyg, lower_bound=LOWER_BOUND)
+    f_dg, f_dA, f_dbias = kda_gate_bwd(g=g_raw, A_log=A_log, dt_bias=dt_bias, dyg=dyg, lower_bound=lb)
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(before, (dg, g_raw), strict=True)), "an input was modified"
     seqs = ([(b, 0, T) for b in range(B)] if lens is None
             else [(0, int(cu[i]), int(cu[i + 1])) for i in range(len(lens))])
     ref, dA_ref, dbias_ref = gate_bwd_reference(dg.cpu(), g_raw.cpu(), None if A_log is None else A_log.cpu(),
-                                                None if dt_bias is None else dt_bias.cpu(), LOWER_BOUND, seqs)
+                                                None if dt_bias is None else dt_bias.cpu(), lb, seqs)
     ulp = 2.0 ** -9 if dt == torch.bfloat16 else 2.0 ** -24
     o = dg_raw.cpu().double()
     assert not o.isnan().any(), "dg_raw: unwritten entries"
@@ -428,6 +448,8 @@ def test_bwd_gate_rejects_bad_arguments():
         C.kda_bwd_gate(dg, g_raw, A_log, dt_bias, -5.0, dg_raw.float(), dA_part, dbias_part)
     with pytest.raises(ValueError, match="lower_bound"):
         C.kda_bwd_gate(dg, g_raw, A_log, dt_bias, 0.0, dg_raw, dA_part, dbias_part)
+    with pytest.raises(ValueError, match="A_log: expected a tensor in the softplus form"):
+        C.kda_bwd_gate(dg, g_raw, None, dt_bias, None, dg_raw, None, dbias_part)
     with pytest.raises(ValueError, match="A_log"):
         C.kda_bwd_gate(dg, g_raw, A_log[:1], dt_bias, -5.0, dg_raw, dA_part, dbias_part)
     with pytest.raises(ValueError, match="dbias_part"):

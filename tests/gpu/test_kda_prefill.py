@@ -23,14 +23,14 @@ Bars, every in-scope case (fresh random inputs):
             autograd oracle (parity/autograd_ref.py) judged by parity.rules.judge: under FLA's tolerance
             (0.008 dq/dk/dv/dh0, 0.02 dg/dbeta/dA_log/ddt_bias) AND <= 1.5 x FLA's error + floor(dtype).
 Also in scope (the two-kernel form): the unbounded gates, softplus (use_gate_in_kernel without lower_bound) and a
-precomputed log decay g, in inference (under grad they fall back: UNBOUNDED_GRAD_REASON).
-Out of scope (softplus and precomputed g under grad, K=64, fp16, chunk_size=32 and disable_recompute under grad):
+precomputed log decay g, in inference and under grad (test_grad_unbounded).
+Out of scope (K=64, fp16, chunk_size=32 and disable_recompute under grad):
 strict mode raises fla_cula.FallbackError with the kernel's reason; without strict mode the result equals
 FLA's bit for bit and the recorded fallback reason is non-empty.
 
-Gate regimes: "random" (FLA's tests: g, A_log, dt_bias ~ randn) and "slow" (T = 2048; every fourth key
+Gate regimes: "random" (FLA's tests: g, A_log, dt_bias ~ randn), "slow" (T = 2048; every fourth key
 channel has dt_bias = -13 and A_log >= 0, so 1 - exp(a) < 0.01 on every token there - asserted - and the
-state carries information across all 32 chunks).
+state carries information across all 32 chunks) and "drops" (unbounded gates: decays of >= 100 at a few tokens).
 
     python -m pytest -q tests/gpu/test_kda_prefill.py -k smoke     # ~14 representative cases first
     python -m pytest -q tests/gpu/test_kda_prefill.py              # the whole matrix (-s prints the errors)
@@ -126,7 +126,7 @@ class Cfg:
     ht: bool = True                  # output_final_state
     vfirst: bool = False             # state_v_first
     scale: float | None = None
-    regime: str = "random"           # or "slow"
+    regime: str = "random"           # or "slow", or "drops" (unbounded gates: a few per-token decays of ~100)
     lens: tuple[int, ...] | None = None   # varlen sequence lengths (B = 1)
     cu_dtype: torch.dtype = torch.int32
     cu_cpu: bool = False             # pass cu_seqlens_cpu
@@ -192,6 +192,13 @@ def make_inputs(c: Cfg) -> dict:
                 x["dt_bias"] = randn(HV * K)
     else:
         x["g"] = F.logsigmoid(randn(B, T, HV, K)).to(c.dtype)        # precomputed log decay
+    if c.regime == "drops":  # decays of >= 100 (natural log) at every 97th token, two channels each: block spans
+        # past the kernels' 120 (log2) next to ordinary ones (the prep's and the intra backward's pairwise paths)
+        if c.gate_in_kernel and c.A_log:
+            x["A_log"] = torch.log(1.0 + 15.0 * rand(HV))          # exp(A_log) >= 1, as the KDA layer's init
+        for t in range(5, T, 97):
+            for ch in (t % K, (3 * t) % K):
+                x["g"][:, t, :, ch] = 100.0 if c.gate_in_kernel else -100.0
     x["beta"] = (randn(B, T, HV) if c.sigmoid else randn(B, T, HV).sigmoid()).to(c.beta_dtype)
     x["h0"] = randn(N, HV, K, K) if c.h0 else None                  # [N,HV,K,V] or [N,HV,V,K]: K = V
     if c.lens is not None:
@@ -907,6 +914,42 @@ def test_grad(c, form, strict_mode, fla_fns):
     assert not bad, f"{'; '.join(bad)} ({errs})"
 
 
+# the unbounded gates under grad: the two-kernel forward (the prep's only form for them) + our backward, whose intra
+# step takes its unbounded form (per-channel anchors, wide channels pairwise) and the gate step its softplus form
+GRAD_UNBOUNDED = {
+    "softplus-T300-B2-H4-drops": cfg(T=300, lb=None, safe_gate=False, regime="drops", mode="grad", seed=95),
+    "softplus-varlen-GVA-H2-HV4": cfg(lens=(100, 1, 230), H=2, HV=4, lb=None, safe_gate=False, mode="grad",
+                                      seed=96),
+    "precomputed-T300-B1-drops-vfirst": cfg(T=300, B=1, gate_in_kernel=False, lb=None, safe_gate=False,
+                                            regime="drops", vfirst=True, mode="grad", seed=97),
+    "precomputed-varlen-H4-tails": cfg(lens=(63, 65, 130), gate_in_kernel=False, lb=None, safe_gate=False,
+                                       mode="grad", seed=98),
+}
+
+
+@pytest.mark.parametrize("segments", [1, 3])
+@pytest.mark.parametrize("c", _params(GRAD_UNBOUNDED, {"softplus-T300-B2-H4-drops",
+                                                       "precomputed-T300-B1-drops-vfirst"}))
+def test_grad_unbounded(c, segments, strict_mode, fla_fns, monkeypatch):
+    """Every gradient but dA_log within the fp64 / FLA bars with the softplus and precomputed gates (strict: the
+    backward's intra and gate steps on our kernels, nothing falls back). Runs whatever UNBOUNDED_GRAD_VERIFIED says:
+    this is the test that verifies it."""
+    from fla_cula.kernels import kda_prefill
+    from parity import rules
+
+    monkeypatch.setattr(kda_prefill, "UNBOUNDED_GRAD_VERIFIED", True)
+    kda_prefill.set_tuning(segments=segments)
+    try:
+        errs, bad = _grad_errors(c, fla_fns), []
+    finally:
+        kda_prefill.set_tuning()
+    for name, (e_c, e_f, amax, dtype) in errs.items():
+        ok, note = rules.judge(name, e_c, e_f, amax, dtype)
+        if not ok and name != "dA_log":
+            bad.append(note or name)
+    assert not bad, f"{'; '.join(bad)} ({errs})"
+
+
 @pytest.mark.parametrize("form", ["fused", "two-P3"])
 @pytest.mark.parametrize("c", [cfg(T=200, H=2, HV=4, mode="grad", seed=7),
                                cfg(lens=(1, 63, 130), H=2, HV=2, mode="grad", seed=8)], ids=["T200-GVA", "varlen"])
@@ -957,14 +1000,12 @@ def test_grad_dA_log_over_seeds(strict_mode, fla_fns):
 # out of scope: strict raises with the kernel's reason; otherwise FLA's result, bit for bit
 
 OUT_OF_SCOPE = {
-    "precomputed-g-grad": (cfg(T=130, gate_in_kernel=False, lb=None, safe_gate=False, mode="grad", seed=100), {}),
-    "softplus-gate-grad": (cfg(T=130, lb=None, safe_gate=False, mode="grad", seed=101), {}),
     "K64": (cfg(T=130, K=64, seed=102), {}),
     "fp16": (cfg(T=130, dtype=torch.float16, beta_dtype=torch.float16, seed=103), {}),
     "chunk32-grad": (cfg(T=130, chunk_size=32, mode="grad", seed=104), {}),
     "disable_recompute-grad": (cfg(T=130, mode="grad", seed=106), {"disable_recompute": True}),
 }
-SMOKE_OOS = {"softplus-gate-grad-strict-raises", "K64-fallback-equals-fla"}
+SMOKE_OOS = {"chunk32-grad-strict-raises", "K64-fallback-equals-fla"}
 OOS_PARAMS = [pytest.param(name, strict, id=f"{name}-{mode}" + ("-smoke" if f"{name}-{mode}" in SMOKE_OOS else ""))
               for name in OUT_OF_SCOPE for strict, mode in ((True, "strict-raises"), (False, "fallback-equals-fla"))]
 
