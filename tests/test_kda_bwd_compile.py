@@ -72,8 +72,15 @@ extern "C" void emu_bwd_wy(void const* q, void const* k, void const* v, void con
   p.intra = intra; p.gate_shift = shift; p.q_rstd = q_rstd; p.k_rstd = k_rstd; p.dqx = dqx; p.dkx = dkx;
   static_assert(kda_sm90::kBwdWySmemBytes <= int(sizeof(smem_raw)));
   emu_grid(chunks * HV, kda_sm90::kBwdThreads, [&p, svf] {
-    if (p.q_rstd) {
+    bool const wide = p.gate_shift == 0.f;
+    if (p.q_rstd && wide) {
+      svf ? kda_sm90::kda_bwd_wy_kernel<true, true, true, true>(p)
+          : kda_sm90::kda_bwd_wy_kernel<false, true, true, true>(p);
+    } else if (p.q_rstd) {
       svf ? kda_sm90::kda_bwd_wy_kernel<true, true, true>(p) : kda_sm90::kda_bwd_wy_kernel<false, true, true>(p);
+    } else if (p.intra && wide) {
+      svf ? kda_sm90::kda_bwd_wy_kernel<true, true, false, true>(p)
+          : kda_sm90::kda_bwd_wy_kernel<false, true, false, true>(p);
     } else if (p.intra) {
       svf ? kda_sm90::kda_bwd_wy_kernel<true, true>(p) : kda_sm90::kda_bwd_wy_kernel<false, true>(p);
     } else {
@@ -89,9 +96,14 @@ def emulator(tmp_path_factory):
     return build_emulator(EMULATOR_BWD_CPP, tmp_path_factory, "kda_bwd_emu")
 
 
-def bwd_wy_inputs(B, T, H, HV, lens=None, seed=0, state_v_first=True):
+# (token, channel) places of the unbounded inputs' decays of 150 (log2): at block edges and inside
+UNBOUNDED_DROPS = ((3, 7), (20, 33), (40, 64), (63, 100), (64, 5), (90, 77))
+
+
+def bwd_wy_inputs(B, T, H, HV, lens=None, seed=0, state_v_first=True, unbounded=False):
     """Random inputs of FLA's chunk_kda_bwd_wy_dqkg_fused in FLA's layouts (Akk lower triangular per chunk, g a
-    chunk-local cumsum of negative log2 decays). lens: varlen (B = 1, T = sum(lens))."""
+    chunk-local cumsum of negative log2 decays). lens: varlen (B = 1, T = sum(lens)). unbounded: as
+    bwd_intra_inputs's (steps up to 20 on a quarter of the channels, drops of 150 at a few places)."""
     gen = torch.Generator().manual_seed(seed)
     bf = torch.bfloat16
 
@@ -105,6 +117,11 @@ def bwd_wy_inputs(B, T, H, HV, lens=None, seed=0, state_v_first=True):
     seqs = ([(b, 0, T) for b in range(B)] if lens is None
             else [(0, int(cu[i]), int(cu[i + 1])) for i in range(len(lens))])
     a = -torch.rand(B, T, HV, 128, generator=gen) * 0.3
+    if unbounded:
+        a = torch.where(torch.arange(128) % 4 == 1, torch.rand(B, T, HV, 128, generator=gen) * -20.0, a)
+        for t, c in UNBOUNDED_DROPS:
+            if t < T:
+                a[:, t, :, c] = -150.0
     g = torch.zeros(B, T, HV, 128)
     A = torch.zeros(B, T, HV, 64)
     n_chunks = 0
@@ -179,8 +196,8 @@ def test_bwd_wy_emulated_matches_fp64_model(emulator, case):
 
 
 def test_sass_hmma_ldsm_no_spills():
-    """The six specializations of the built kernel (state layout x plain / intra fused / intra and l2norm backward
-    fused): sm_90a, mma.sync
+    """The ten specializations of the built kernel (state layout x plain / intra fused / intra and l2norm backward
+    fused, the fused ones with the bounded or the unbounded intra form): sm_90a, mma.sync
     (HMMA) fed by ldmatrix (LDSM, .trans among them), cp.async loads (LDGSTS), no spill; kda_bwd_intra_kernel:
     HMMA, LDGSTS, no spill, bounded and unbounded gate forms; kda_bwd_gate_kernel (fp32 and bf16 g_raw x lower_bound
     and softplus forms): sm_90a, no spill."""
@@ -196,7 +213,8 @@ def test_sass_hmma_ldsm_no_spills():
     usage = {r["symbol"]: r for r in _ext.resource_usage(mod.__file__)}
     names = _ext.demangle(list(sass))
     syms = [s for s in sass if "kda_bwd_wy_kernel" in names[s]]
-    assert len(syms) == 6, sorted(names.values())  # state_v_first or not x (plain, kIntra, kIntra + kL2)
+    # state_v_first or not x (plain, kIntra, kIntra + kL2, and the last two with the unbounded intra form)
+    assert len(syms) == 10, sorted(names.values())
     dv = [s for s in sass if "kda_bwd_dv_kernel" in names[s]]
     assert len(dv) == 1, sorted(names.values())
     intra = [s for s in sass if "kda_bwd_intra_kernel" in names[s]]
@@ -272,7 +290,7 @@ def bwd_intra_inputs(B, T, H, HV, lens=None, seed=0, at_bound=False, unbounded=F
     if unbounded:
         fast = torch.rand(B, T, HV, 128, generator=gen) * -20.0
         step = torch.where(torch.arange(128) % 4 == 1, fast, step)
-        for t, c in ((3, 7), (20, 33), (40, 64), (63, 100), (64, 5), (90, 77)):  # drops at block edges and inside
+        for t, c in UNBOUNDED_DROPS:
             if t < T:
                 step[:, t, :, c] = -150.0
     g = torch.zeros(B, T, HV, 128)
@@ -368,8 +386,9 @@ def test_bwd_intra_emulated_matches_fp64_model(intra_emulator, case):
         assert err < 2e-5, f"{n}: RMS error of the added terms {err:.2e} (of their scale) vs the fp64 model"
 
 
+@pytest.mark.parametrize("form", ["bounded", "unbounded"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_bwd_wy_fused_intra_emulated_matches_fp64_model(emulator, case):
+def test_bwd_wy_fused_intra_emulated_matches_fp64_model(emulator, case, form):
     """kda_bwd_wy with intra (the intra step fused in, its dAqk made in the kernel from do and v_new) against the
     fp64 intra model applied to the plain kernel's outputs on the same inputs, with the fp64 dAqk of FLA's
     chunk_kda_bwd_dAv (dq, dk, db, dg and dA as dAkk: FLA's composition of its kernels; the wy part's own errors are
@@ -381,11 +400,12 @@ def test_bwd_wy_fused_intra_emulated_matches_fp64_model(emulator, case):
 
     kw = dict(CASES[case])
     lens = kw.get("lens")
-    x = bwd_wy_inputs(**kw, seed=len(case) + 7)
+    unbounded = form == "unbounded"
+    x = bwd_wy_inputs(**kw, seed=len(case) + 7, unbounded=unbounded)
     B, T, HV = x["v"].shape[:3]
     dAqk = bwd_dAv_reference(x["v_new"], x["do"], scale=128 ** -0.5, cu_seqlens=x["cu_seqlens"])["dAqk"]
     plain = _emulate(emulator, x, lens)
-    got = _emulate(emulator, x, lens, intra=True, shift=-LOWER_BOUND / math.log(2))
+    got = _emulate(emulator, x, lens, intra=True, shift=0.0 if unbounded else -LOWER_BOUND / math.log(2))
     ref = bwd_intra_reference(x["q"], x["k"], x["g"], x["beta"], dAqk, plain["dA"], plain["dq"], plain["dk"],
                               plain["db"], plain["dg"], x["cu_seqlens"])
     assert got["dA"].isnan().all(), "dA written by the fused form"
@@ -443,20 +463,21 @@ def test_intra_shift_bounded_or_unbounded_form(monkeypatch):
     assert kda_bwd.intra_reason(*([None] * 10), 64) == "stub extension"
 
 
+@pytest.mark.parametrize("form", ["bounded", "unbounded"])
 @pytest.mark.parametrize("case", sorted(n for n, c in CASES.items() if c.get("HV", 1) == c.get("H", 1)))
-def test_bwd_wy_fused_l2norm_emulated(emulator, case):
+def test_bwd_wy_fused_l2norm_emulated(emulator, case, form):
     """kda_bwd_wy with intra, q_rstd and k_rstd (intra step and l2norm backward fused, H == HV): dqx, dkx equal FLA's
     l2norm_bwd formula, rstd (dy - y (y . dy)) in fp64 on the fused form's own final dq, dk (which it still writes),
-    within bf16's rounding; dq, dk, dg, db, dv2 as without the l2norm backward."""
+    within bf16's rounding; dq, dk, dg, db, dv2 as without the l2norm backward; both intra forms."""
     import math
 
     kw = dict(CASES[case])
     lens = kw.get("lens")
-    x = bwd_wy_inputs(**kw, seed=len(case) + 3)
+    x = bwd_wy_inputs(**kw, seed=len(case) + 3, unbounded=form == "unbounded")
     B, T, HV = x["v"].shape[:3]
     gen = torch.Generator().manual_seed(len(case) + 1)
     rstd = tuple(torch.rand(B, T, HV, generator=gen) + 0.5 for _ in range(2))
-    shift = -LOWER_BOUND / math.log(2)
+    shift = 0.0 if form == "unbounded" else -LOWER_BOUND / math.log(2)
     base = _emulate(emulator, x, lens, intra=True, shift=shift)
     got = _emulate(emulator, x, lens, intra=True, shift=shift, rstd=rstd)
     for n in ("dq", "dk", "dg", "db", "dv2"):  # up to the order of the shared-memory atomics (dgk, db)

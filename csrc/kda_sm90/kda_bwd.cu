@@ -14,20 +14,21 @@
 namespace fla_cula {
 namespace {
 
-template <bool kVFirst, bool kIntra, bool kL2>
+template <bool kVFirst, bool kIntra, bool kL2, bool kWide = false>
 void launch_wy(KdaBwdWyParams const& p, dim3 grid, cudaStream_t stream) {
   constexpr int kSmem = kda_sm90::kBwdWySmemBytes;
-  opt_in_shared_memory<kda_sm90::kda_bwd_wy_kernel<kVFirst, kIntra, kL2>>(p.device, kSmem);
-  kda_sm90::kda_bwd_wy_kernel<kVFirst, kIntra, kL2><<<grid, kda_sm90::kBwdThreads, kSmem, stream>>>(p);
+  opt_in_shared_memory<kda_sm90::kda_bwd_wy_kernel<kVFirst, kIntra, kL2, kWide>>(p.device, kSmem);
+  kda_sm90::kda_bwd_wy_kernel<kVFirst, kIntra, kL2, kWide><<<grid, kda_sm90::kBwdThreads, kSmem, stream>>>(p);
 }
 
-// state layout x (plain | intra fused | intra and l2norm backward fused)
+// state layout x (plain | intra fused | intra and l2norm backward fused), the intra step bounded or not (gate_shift 0)
 template <bool kVFirst>
 void launch_form(KdaBwdWyParams const& p, dim3 grid, cudaStream_t stream) {
+  bool const wide = p.gate_shift == 0.f;
   if (p.q_rstd) {
-    launch_wy<kVFirst, true, true>(p, grid, stream);
+    wide ? launch_wy<kVFirst, true, true, true>(p, grid, stream) : launch_wy<kVFirst, true, true>(p, grid, stream);
   } else if (p.intra) {
-    launch_wy<kVFirst, true, false>(p, grid, stream);
+    wide ? launch_wy<kVFirst, true, false, true>(p, grid, stream) : launch_wy<kVFirst, true, false>(p, grid, stream);
   } else {
     launch_wy<kVFirst, false, false>(p, grid, stream);
   }
@@ -58,9 +59,9 @@ void run_kda_bwd_wy(KdaBwdWyParams const& p) {
   require_compute_capability(p.device, 9, 0, "kda_bwd_wy");
   dim3 const grid{unsigned(ctas)};
   auto const stream = static_cast<cudaStream_t>(p.stream);
-  FLA_CULA_REQUIRE(!p.intra || (p.gate_shift > 0.f && p.gate_shift <= 16.6f),
-                   "kda_bwd_wy: with intra, gate_shift must be in (0, 16.6] (safe_gate with -11.5 <= lower_bound < 0), "
-                   "got " + std::to_string(p.gate_shift));
+  FLA_CULA_REQUIRE(!p.intra || p.gate_shift == 0.f || (p.gate_shift > 0.f && p.gate_shift <= 16.6f),
+                   "kda_bwd_wy: with intra, gate_shift must be in (0, 16.6] (safe_gate with -11.5 <= lower_bound < 0) "
+                   "or 0 (no per-token bound), got " + std::to_string(p.gate_shift));
   FLA_CULA_REQUIRE(p.q_rstd == nullptr || (p.intra && p.H == p.HV && p.k_rstd && p.dqx && p.dkx),
                    "kda_bwd_wy: the fused l2norm backward needs intra, H == HV, k_rstd, dqx and dkx");
   launch_kda_bwd_wy(p, grid, stream);

@@ -44,7 +44,7 @@ struct KdaBwdWyParams : KdaBwdLaunch {
   float* dA;           // fp32 [B,T,HV,64] (unused with intra)
   bool intra;          // fuse FLA's chunk_kda_bwd_intra into this kernel, with its dAqk = scale M(do v_new^T) made here
                        // (the dAqk half of chunk_kda_bwd_dAv): dq, dk, dg, db then include its terms; dA not written
-  float gate_shift;    // with intra: -lower_bound / ln 2 in (0, 16.6] (safe_gate)
+  float gate_shift;    // with intra: -lower_bound / ln 2 in (0, 16.6], or 0: no per-token bound (kda_bwd_intra's)
   float const* q_rstd;  // fp32 [B,T,H] or null; with intra and H == HV, non-null fuses FLA's l2norm_bwd of q and k:
   float const* k_rstd;  //   q, k are then the normalized y, and dqx, dkx receive rstd (dy - y (y . dy)) of the final
   void* dqx;            //   dq, dk in bf16 [B,T,H,128]; dq, dk keep only kda_bwd_wy's own terms (scratch)

@@ -18,13 +18,13 @@
 // gates) the anchors are per channel (diag_anchor): the midpoint of the block's span g_{r_I} - g_e (e its last row)
 // while the span is <= kSpanMax (factors within 2^(+-60)); past it the channel is "wide": its row side is anchored at
 // g_{r_I}, its column side at g_e (every factor <= 1), it leaves the block's own products, and its exact pairwise
-// terms are added in the epilogue (wide_share: up to 16 + 16 ex2 per (token, channel) there). Each product is
-// bf16x3: an fp32 operand x = hi + lo (two bf16), hi hi + hi lo + lo hi with fp32 accumulation (~2^-17 relative;
-// FLA: tf32, 2^-11). Warp w computes block
-// I = w % 4 on both sides for the 32 channels 32 (w / 4) ..: I + 1 block pairs on the row side, 4 - I on the
-// column side, five each (16 warps per chunk and value head). Shared tiles: g fp32 [64][kLdG], q, k bf16 [64][kLdK],
-// beta [64], dAqk, dAkk [64][kLdF] ([t][s]: fp32 as loaded, then split once per CTA by split_dA into the bf16 hi / lo
-// operands that ldmatrix reads, or stored split by put_split_pair); rows >= L zero.
+// terms are added to the incoming gradients first (intra_wide_fixup; 16 ex2 per (token, channel) there). Each
+// product is bf16x3: an fp32 operand x = hi + lo (two bf16), hi hi + hi lo + lo hi with fp32 accumulation (~2^-17
+// relative; FLA: tf32, 2^-11). Warp w computes block I = w % 4 on both sides for the 32 channels 32 (w / 4) ..:
+// I + 1 block pairs on the row side, 4 - I on the column side, five each (16 warps per chunk and value head). Shared
+// tiles: g fp32 [64][kLdG], q, k bf16 [64][kLdK], beta [64], dAqk, dAkk [64][kLdF] ([t][s]: fp32 as loaded, then
+// split once per CTA by split_dA into the bf16 hi / lo operands that ldmatrix reads, or stored split by
+// put_split_pair); rows >= L zero.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -290,18 +290,41 @@ __device__ __forceinline__ WideShare wide_share(IntraTiles const& tl, int r0, in
   float const gt = tl.g[t * kLdG + c];
   WideShare w{0.f, 0.f, 0.f};
 #pragma unroll 1
-  for (int s = r0; s <= t; ++s) {  // dAkk is zero on its diagonal
-    float const x = ex2(gt - tl.g[s * kLdG + c]) * __bfloat162float(tl.k[s * kLdK + c]);
-    w.q += dA_at(tl.dAqk, t, s) * x;
-    w.k += dA_at(tl.dAkk, t, s) * x;
-  }
-#pragma unroll 1
-  for (int u = t; u <= e; ++u) {
-    float const f = ex2(tl.g[u * kLdG + c] - gt);
-    w.t += f * (dA_at(tl.dAqk, u, t) * __bfloat162float(tl.q[u * kLdK + c]) +
-                dA_at(tl.dAkk, u, t) * tl.beta[u] * __bfloat162float(tl.k[u * kLdK + c]));
+  for (int s = r0; s <= e; ++s) {  // s <= t: row t's terms; s >= t: column t's (dAkk is zero on its diagonal)
+    float const gs = tl.g[s * kLdG + c], ks = __bfloat162float(tl.k[s * kLdK + c]);
+    if (s <= t) {
+      float const x = ex2(gt - gs) * ks;
+      w.q += dA_at(tl.dAqk, t, s) * x;
+      w.k += dA_at(tl.dAkk, t, s) * x;
+    }
+    if (s >= t) {
+      w.t += ex2(gs - gt) * (dA_at(tl.dAqk, s, t) * __bfloat162float(tl.q[s * kLdK + c]) +
+                             dA_at(tl.dAkk, s, t) * tl.beta[s] * ks);
+    }
   }
   return w;
+}
+
+// kWide, before intra_epilogue: the wide channels' own-block terms of this thread's entries (intra_epilogue's
+// positions) as the epilogue would add them, dq' + w.q, dk' + w.k, dkt + w.t being linear in its outputs, added to
+// the incoming values through add(t, c, dq, dk, dg) (each entry read and written by its owner thread) and to dbp.
+// One rolled loop over the 16 entries: wide channels are rare and the epilogue's registers stay its own.
+template <class Add>
+__device__ __forceinline__ void intra_wide_fixup(IntraTiles const& tl, int L, int I, int c0, int lane,
+                                                 float (&dbp)[2], Add const& add) {
+  int const g8 = lane >> 2, t4 = lane & 3, r0 = 16 * I, last = r0 + 15 < L - 1 ? r0 + 15 : L - 1;
+  if (I > (L - 1) >> 4) return;
+#pragma unroll 1
+  for (int i = 0; i < 16; ++i) {
+    int const h = i >> 3, t = r0 + g8 + 8 * h, c = c0 + 8 * ((i >> 1) & 3) + 2 * t4 + (i & 1);
+    if (t >= L || !diag_anchor(tl.g, r0, last, c).wide) continue;
+    WideShare const w = wide_share(tl, r0, last, t, c);
+    float const b = tl.beta[t], kk = __bfloat162float(tl.k[t * kLdK + c]);
+    float const qq = __bfloat162float(tl.q[t * kLdK + c]), dk = b * w.k;
+    add(t, c, w.q, dk + w.t, qq * w.q + (dk - w.t) * kk);
+    dbp[0] += h ? 0.f : w.k * kk;
+    dbp[1] += h ? w.k * kk : 0.f;
+  }
 }
 
 // The step's outputs at warp (I, c0)'s accumulator positions (rows t = 16 I + g8 + 8 h < L, channels c = c0 + 8 nt
@@ -334,14 +357,10 @@ __device__ __forceinline__ void intra_epilogue(IntraTiles const& tl, int L, floa
       for (int e = 0; e < 2; ++e) {
         float const gt = tl.g[t * kLdG + c + e];
         float dq2, dk2, dkt;
-        if constexpr (kWide) {
+        if constexpr (kWide) {  // (a wide channel's own block: added to the incoming values by intra_wide_fixup)
           DiagAnchor const a = diag_anchor(tl.g, r0, last, c + e);
           float const eq = ex2(gt - a.row), es = ex2(a.col - gt);
           dq2 = eq * aq[nt][2 * h + e], dk2 = eq * ak[nt][2 * h + e], dkt = es * at[nt][2 * h + e];
-          if (a.wide) {
-            WideShare const w = wide_share(tl, r0, last, t, c + e);
-            dq2 += w.q, dk2 += w.k, dkt += w.t;
-          }
         } else {
           float const a = tl.g[r0 * kLdG + c + e] - 7.5f * shift;
           float const eq = ex2(gt - a), es = ex2(a - gt);

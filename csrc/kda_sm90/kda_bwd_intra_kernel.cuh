@@ -82,6 +82,13 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_bwd_intra_kernel(__grid_
   cp_async_wait_all();
   __syncthreads();
   float dbp[2] = {0.f, 0.f};
+  if constexpr (kWide) {
+    intra_wide_fixup(tl, L, I, c0, lane, dbp, [&](int t, int c, float dq, float dk, float dg) {
+      sm.dq[t * kLdK + c] += dq;
+      sm.dk[t * kLdK + c] += dk;
+      sm.dg[t * kLdK + c] += dg;
+    });
+  }
   intra_epilogue<kWide>(
       tl, L, p.gate_shift, I, c0, lane, aq, ak, at, dbp,
       [&](int t, int c) {

@@ -90,7 +90,8 @@ constexpr int kBwdWySmemBytes = int(sizeof(BwdWyStorage));
 static_assert(offsetof(BwdWyStorage, gn) % 16 == 0, "g_n arrives by 16-byte copies");
 static_assert(kBwdWySmemBytes <= 227 * 1024, "one CTA per SM: within the SM's 227 KB of shared memory");
 
-template <bool kVFirst, bool kIntra, bool kL2 = false>
+// kWide (with kIntra): the intra step's unbounded form (gate_shift 0; kda_bwd_intra_block.cuh's diag_anchor)
+template <bool kVFirst, bool kIntra, bool kL2 = false, bool kWide = false>
 __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_constant__ KdaBwdWyParams const p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   BwdWyStorage& sm = *reinterpret_cast<BwdWyStorage*>(smem_raw);
@@ -346,7 +347,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
     IntraTiles const tl{sm.g, sm.q, sm.k, sm.beta, dAqk_sm, dAkk_sm};
     int const I = w & 3;
     float aq[4][4], ak[4][4], at[4][4];
-    intra_products(tl, L, p.gate_shift, I, c128, lane, aq, ak, at);
+    intra_products<kWide>(tl, L, p.gate_shift, I, c128, lane, aq, ak, at);
     float db2[2] = {0.f, 0.f};
     float2 fq[2][kNT128], fk[2][kNT128];  // kL2: the final dq, dk of this thread's entries (zero past L)
 #pragma unroll
@@ -354,7 +355,15 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
 #pragma unroll
       for (int nt = 0; nt < kNT128; ++nt) fq[h][nt] = fk[h][nt] = make_float2(0.f, 0.f);
     int64_t const row0 = vrow(0), row_step = int64_t(HV) * kK;  // element offset of row t: row0 + t row_step
-    intra_epilogue(
+    if constexpr (kWide) {
+      intra_wide_fixup(tl, L, I, c128, lane, db2, [&](int t, int col, float dq, float dk, float dg) {
+        int64_t const o = row0 + t * row_step + col;
+        p.dq[o] += dq;
+        p.dk[o] += dk;
+        p.dg[o] += dg;
+      });
+    }
+    intra_epilogue<kWide>(
         tl, L, p.gate_shift, I, c128, lane, aq, ak, at, db2,
         [&](int t, int col) {
           int64_t const o = row0 + t * row_step + col;

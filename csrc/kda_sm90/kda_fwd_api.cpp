@@ -458,7 +458,7 @@ void kda_bwd_wy_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::ha
                     py::handle beta_obj, py::handle A_obj, py::handle h_obj, py::handle do_obj, py::handle dh_obj,
                     py::handle dv_obj, py::handle dq_obj, py::handle dk_obj, py::handle dv2_obj, py::handle dg_obj,
                     py::handle db_obj, py::handle dA_obj, double scale, bool state_v_first, py::handle cu_obj,
-                    py::handle chunk_indices_obj, bool intra, double gate_shift, py::handle q_rstd_obj,
+                    py::handle chunk_indices_obj, bool intra, py::handle gate_shift_obj, py::handle q_rstd_obj,
                     py::handle k_rstd_obj, py::handle dqx_obj, py::handle dkx_obj) {
   TensorArg q = tensor_arg(q_obj, "q"), k = tensor_arg(k_obj, "k"), v = tensor_arg(v_obj, "v");
   HeadDims const d = expect_qk_and_heads(q, k, v, {dtype::kBFloat16});
@@ -499,9 +499,11 @@ void kda_bwd_wy_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::ha
   expect_tensor(db, {dtype::kFloat32}, {B, T, HV}, "(B, T, HV)", &q);
   if (intra) {  // the intra step in the same kernel (dAqk made there), no dA out
     if (!dA_obj.is_none()) throw py::value_error("kda_bwd_wy: dA must be None with intra=True (not written)");
-    if (!(gate_shift > 0.0 && gate_shift <= 16.6)) {
+    // None: no per-token bound (the intra step's unbounded form), passed on as 0
+    double const gate_shift = gate_shift_obj.is_none() ? 0.0 : gate_shift_obj.cast<double>();
+    if (!gate_shift_obj.is_none() && !(gate_shift > 0.0 && gate_shift <= 16.6)) {
       throw py::value_error("kda_bwd_wy: with intra=True, gate_shift must be in (0, 16.6] (safe_gate with -11.5 <= "
-                            "lower_bound < 0), got " + std::to_string(gate_shift));
+                            "lower_bound < 0) or None, got " + std::to_string(gate_shift));
     }
     p.intra = true;
     p.gate_shift = static_cast<float>(gate_shift);
@@ -712,15 +714,16 @@ void register_kda_fwd(py::module_& m) {
         py::arg("beta"), py::arg("A"), py::arg("h"), py::arg("do"), py::arg("dh"), py::arg("dv"), py::arg("dq"),
         py::arg("dk"), py::arg("dv2"), py::arg("dg"), py::arg("db"), py::arg("dA"), py::arg("scale"),
         py::arg("state_v_first"), py::arg("cu_seqlens") = py::none(), py::arg("chunk_indices") = py::none(),
-        py::arg("intra") = false, py::arg("gate_shift") = 0.0, py::arg("q_rstd") = py::none(),
+        py::arg("intra") = false, py::arg("gate_shift") = py::none(), py::arg("q_rstd") = py::none(),
         py::arg("k_rstd") = py::none(), py::arg("dqx") = py::none(), py::arg("dkx") = py::none(),
         "Enqueue kda_bwd_wy (csrc/kda_sm90/kda_bwd.h) on the current stream of q's device: FLA 0.6.0's\n"
         "chunk_kda_bwd_wy_dqkg_fused. bf16 q, k [B,T,H,128], v, v_new, do, dv [B,T,HV,128], A (Akk) [B,T,HV,64],\n"
         "h, dh [B, NT, HV, 128, 128] (V-first with state_v_first); fp32 g [B,T,HV,128], beta [B,T,HV]. Writes fp32\n"
         "dq, dk, dg [B,T,HV,128], db [B,T,HV], dA [B,T,HV,64] and bf16 dv2 [B,T,HV,128] on the sequences' rows.\n"
-        "With intra=True and gate_shift = -lower_bound / ln 2 (safe_gate): chunk_kda_bwd_intra fused in, its dAqk =\n"
-        "scale M(do v_new^T) (chunk_kda_bwd_dAv's) made in the kernel; dq, dk, dg, db include its terms, dA must be\n"
-        "None (not written). With H == HV, fp32 q_rstd, k_rstd [B,T,H]\n"
+        "With intra=True: chunk_kda_bwd_intra fused in, its dAqk = scale M(do v_new^T) (chunk_kda_bwd_dAv's) made in\n"
+        "the kernel; dq, dk, dg, db include its terms, dA must be None (not written); gate_shift = -lower_bound /\n"
+        "ln 2 where a per-token bound holds (safe_gate), None where none does (kda_bwd_intra's unbounded form).\n"
+        "With H == HV, fp32 q_rstd, k_rstd [B,T,H]\n"
         "and bf16 dqx, dkx [B,T,H,128] as well (q, k the l2-normalized ones): FLA's l2norm_bwd fused, dqx, dkx =\n"
         "rstd (dy - y (y . dy)) of the final dq, dk.\n"
         "Varlen: B = 1, cu_seqlens [N+1] and chunk_indices [chunks, 2] (FLA's prepare_chunk_indices), int32/int64.\n"

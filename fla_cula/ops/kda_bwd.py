@@ -81,9 +81,9 @@ def wy_reason(q, k, v, v_new, g, beta, A, h, do, dh, dv, chunk_size: int) -> str
 
 
 def bwd_wy(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_first, cu_seqlens, chunk_size, chunk_indices,
-           chunk_offsets, intra=False, lower_bound=None, q_rstd=None, k_rstd=None):
+           chunk_offsets, intra=False, gate_shift=None, q_rstd=None, k_rstd=None):
     """FLA's chunk_kda_bwd_wy_dqkg_fused (same arguments and results): -> dq, dk, dv, db, dg, dA. With intra (and
-    the gate's lower_bound) where our kernel runs: chunk_kda_bwd_intra fused in (its dAqk, chunk_kda_bwd_dAv's, made
+    gate_shift: intra_shift's) where our kernel runs: chunk_kda_bwd_intra fused in (its dAqk, chunk_kda_bwd_dAv's, made
     from do and v_new in the kernel), dq, dk, db, dg final and dA None; with q_rstd, k_rstd too (H == HV): FLA's
     l2norm_bwd fused as well, dq, dk then bf16 w.r.t. the raw q, k. Where FLA's kernel runs instead, dA is Akk's
     gradient whatever intra says."""
@@ -108,7 +108,7 @@ def bwd_wy(q, k, v, v_new, g, beta, A, h, do, dh, dv, scale, state_v_first, cu_s
     dqx, dkx = (torch.empty_like(q), torch.empty_like(k)) if l2 else (None, None)
     _ext.require().kda_bwd_wy(q, k, v, v_new, g, beta, A, h, do, dh, dv, dq, dk, dv2, dg, db, dA,
                               K ** -0.5 if scale is None else scale, state_v_first, cu_seqlens, chunk_indices,
-                              intra, -lower_bound * RCP_LN2 if intra else 0.0, q_rstd if l2 else None,
+                              intra, gate_shift if intra else None, q_rstd if l2 else None,
                               k_rstd if l2 else None, dqx, dkx)
     routing.record_kernel(OP_WY)
     if intra:
@@ -161,8 +161,8 @@ def bwd_dv(q, k, v_new, do, Aqk, scale, cu_seqlens, chunk_indices, chunk_size):
 
 def intra_shift(lower_bound, safe_gate: bool, gate_in_kernel: bool) -> float | None:
     """kda_bwd_intra's gate_shift, -lower_bound / ln 2, where every per-token step of g lies in [lower_bound, 0] and
-    the bounded form's anchors fit fp32; None: its unbounded form (per-channel anchors, wide channels pairwise), the
-    standalone kernel only. FLA's in-kernel gate with lower_bound is lower_bound * sigmoid(.) by construction; a
+    the bounded form's anchors fit fp32; None: its unbounded form (per-channel anchors, wide channels pairwise; in
+    kda_bwd_intra and in kda_bwd_wy's fused form). FLA's in-kernel gate with lower_bound is lower_bound * sigmoid(.) by construction; a
     precomputed gate has the bound only as safe_gate's promise."""
     if (lower_bound is None or not INTRA_MIN_LOWER_BOUND <= lower_bound < 0
             or not (safe_gate or gate_in_kernel)):
@@ -294,7 +294,6 @@ def chunk_kda_bwd(q, k, v, beta, Aqk, Akk, scale, initial_state, do, dht, g=None
                                                    chunk_size=chunk_size, state_v_first=state_v_first)
     # the intra step fused into kda_bwd_wy's kernel, which makes dAqk itself: dv alone here
     fuse = (FUSED_INTRA and INTRA_KERNEL and routing.enabled() and not routing.stand_in()
-            and intra_shift(lower_bound, safe_gate, use_gate_in_kernel) is not None
             and intra_reason(q, k, g, beta, None, None, None, None, None, None, chunk_size) is None)
     if fuse:
         dAqk, dv = None, bwd_dv(q, k, v_new, do, Aqk, scale, cu_seqlens, chunk_indices, chunk_size)
@@ -308,7 +307,8 @@ def chunk_kda_bwd(q, k, v, beta, Aqk, Akk, scale, initial_state, do, dht, g=None
     l2 = fuse and FUSED_L2NORM and q_rstd is not None and HV == H
     dq, dk, dv, db, dg, dAkk = bwd_wy(q, k, v, v_new, g, beta, Akk, h, do, dh, dv, scale, state_v_first, cu_seqlens,
                                       chunk_size, chunk_indices, chunk_offsets, intra=fuse,
-                                      lower_bound=lower_bound, q_rstd=q_rstd if l2 else None,
+                                      gate_shift=intra_shift(lower_bound, safe_gate, use_gate_in_kernel),
+                                      q_rstd=q_rstd if l2 else None,
                                       k_rstd=k_rstd if l2 else None)
     if dAkk is not None:  # not fused (or FLA's wy ran): the intra step on its own
         if dAqk is None:  # fused form planned, FLA's wy ran: dAqk from FLA's function

@@ -176,8 +176,9 @@ def test_bwd_intra_rejects_bad_gate_shift():
             C.kda_bwd_intra(*args, bad)
 
 
+@pytest.mark.parametrize("form", ["bounded", "unbounded"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_bwd_wy_fused_intra_against_fp64_and_fla(case):
+def test_bwd_wy_fused_intra_against_fp64_and_fla(case, form):
     """kda_bwd_wy with intra (chunk_kda_bwd_intra fused in, its dAqk made in the kernel) against FLA's three
     kernels in sequence (chunk_kda_bwd_dAv's dAqk, wy, intra) and the fp64 models composed the same way (each within
     1.5x of FLA's error, plus an fp32 floor), and against our own two kernels in sequence (plain kda_bwd_wy, then
@@ -186,11 +187,12 @@ def test_bwd_wy_fused_intra_against_fp64_and_fla(case):
 
     kw = dict(CASES[case])
     lens = kw.get("lens")
-    x = _cuda(bwd_wy_inputs(**kw, seed=9))
+    unbounded = form == "unbounded"
+    x = _cuda(bwd_wy_inputs(**kw, seed=9, unbounded=unbounded))
     B, T, H, _ = x["q"].shape
     HV = x["v"].shape[2]
     ci = None if lens is None else chunk_indices_of(lens).cuda()
-    cu, shift, C = x["cu_seqlens"], -LOWER_BOUND / math.log(2), _ext.require()
+    cu, shift, C = x["cu_seqlens"], None if unbounded else -LOWER_BOUND / math.log(2), _ext.require()
     ck = None if ci is None else ci.long()
     dAqk = kda_bwd.chunk_kda_bwd_dAv(q=x["q"], k=x["k"], v=x["v_new"], do=x["do"], A=x["A"], scale=128 ** -0.5,
                                      cu_seqlens=cu, chunk_indices=ck)[0]
@@ -219,7 +221,8 @@ def test_bwd_wy_fused_intra_against_fp64_and_fla(case):
                                      state_v_first=x["state_v_first"], cu_seqlens=cu, chunk_indices=ck)
     fdq, fdk, fdb, fdg = kda_bwd.FLA_CHUNK_KDA_BWD_INTRA(
         q=x["q"], k=x["k"], g=x["g"], beta=x["beta"], dAqk=dAqk, dAkk=f[5], dq=f[0], dk=f[1], db=f[3], dg=f[4],
-        cu_seqlens=cu, chunk_indices=ck, chunk_size=64, safe_gate=True, lower_bound=LOWER_BOUND)
+        cu_seqlens=cu, chunk_indices=ck, chunk_size=64, safe_gate=not unbounded,
+        lower_bound=None if unbounded else LOWER_BOUND)
     fla = {"dq": fdq, "dk": fdk, "db": fdb, "dg": fdg, "dv2": f[2]}
     cpu = {n: (t.cpu() if isinstance(t, torch.Tensor) else t) for n, t in x.items()}
     wy = bwd_wy_reference(cpu["q"], cpu["k"], cpu["v"], cpu["v_new"], cpu["g"], cpu["beta"], cpu["A"], cpu["h"],
@@ -237,7 +240,7 @@ def test_bwd_wy_fused_intra_against_fp64_and_fla(case):
         report.append(f"{n} {e_ours:.2e}/{e_fla:.2e}")
         floor = 4e-3 if n == "dv2" else 1e-5
         assert e_ours <= 1.5 * e_fla + floor, f"{n}: rel RMS vs fp64 {e_ours:.2e}, FLA's {e_fla:.2e}"
-    print(f"  {case}: fused wy + intra, ours / FLA vs fp64: " + " ".join(report))
+    print(f"  {case} {form}: fused wy + intra, ours / FLA vs fp64: " + " ".join(report))
 
 
 def test_bwd_wy_fused_rejects_bad_arguments():
@@ -249,8 +252,9 @@ def test_bwd_wy_fused_rejects_bad_arguments():
     C = _ext.require()
     with pytest.raises(ValueError, match="dA must be None"):
         C.kda_bwd_wy(*args, dA, 1.0, True, None, None, True, 7.0)
-    with pytest.raises(ValueError, match="gate_shift"):
-        C.kda_bwd_wy(*args, None, 1.0, True, None, None, True, 20.0)
+    for bad in (20.0, 0.0):  # None is the unbounded form; 0 is no shift
+        with pytest.raises(ValueError, match="gate_shift"):
+            C.kda_bwd_wy(*args, None, 1.0, True, None, None, True, bad)
     with pytest.raises(TypeError):  # intra is a bool (the dAqk tensor argument of API 10 is gone)
         C.kda_bwd_wy(*args, None, 1.0, True, None, None, torch.zeros(1, 64, 1, 64, device="cuda"), 7.0)
 
