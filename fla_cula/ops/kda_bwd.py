@@ -162,8 +162,8 @@ def bwd_dv(q, k, v_new, do, Aqk, scale, cu_seqlens, chunk_indices, chunk_size):
 def intra_shift(lower_bound, safe_gate: bool, gate_in_kernel: bool) -> float | None:
     """kda_bwd_intra's gate_shift, -lower_bound / ln 2, where every per-token step of g lies in [lower_bound, 0] and
     the bounded form's anchors fit fp32; None: its unbounded form (per-channel anchors, wide channels pairwise; in
-    kda_bwd_intra and in kda_bwd_wy's fused form). FLA's in-kernel gate with lower_bound is lower_bound * sigmoid(.) by construction; a
-    precomputed gate has the bound only as safe_gate's promise."""
+    kda_bwd_intra and in kda_bwd_wy's fused form). FLA's in-kernel gate with lower_bound is lower_bound * sigmoid(.)
+    by construction; a precomputed gate has the bound only as safe_gate's promise."""
     if (lower_bound is None or not INTRA_MIN_LOWER_BOUND <= lower_bound < 0
             or not (safe_gate or gate_in_kernel)):
         return None
