@@ -1,7 +1,8 @@
 """FLA's KDA model, plain vs fla_cula.patch(): ``python -m benchmarks model [--rows ...] [--layers 4 24]``.
 
 One random-init ``fla.models.KDAForCausalLM`` (hidden 2048, 16 heads x 128, bf16, safe_gate,
-lower_bound=-5; no hub download), the same weights and inputs for both sides. Plain and patched
+lower_bound=-5, or with --gate softplus the layer's default softplus gate; no hub download), the same weights
+and inputs for both sides. Plain and patched
 runs alternate (plain, patched, patched, plain, ...) and each side keeps its median, so machine
 noise does not decide a row; every shape is warmed up in both before timing (Triton autotune,
 fla_cula kernel loads). FLA_FLASH_KDA=0: FLA's chunk_kda runs its Triton kernels on both sides.
@@ -48,6 +49,8 @@ import torch
 
 BASE_CONFIG = dict(hidden_size=2048, num_heads=16, head_dim=128, safe_gate=True, lower_bound=-5.0,
                    attn_mode="chunk", vocab_size=32000)
+# --gate: the bounded gate above, or FLA's KDA layer default (Kimi Linear's): softplus, no safe_gate, no lower_bound
+GATES = {"bounded": {}, "softplus": dict(safe_gate=False, lower_bound=None)}
 PROMPT = 64
 NEW_TOKENS = 64
 DECODE_B = (1, 32, 128)
@@ -59,10 +62,10 @@ ROWS = ("prefill", "decode", "graph", "graph_inplace", "generate", "train")
 LAYERS_24_ROWS = ("prefill", "decode", "graph", "graph_inplace")  # the 24-layer model: no generate / train (time)
 
 
-def build_model(layers: int, device):
+def build_model(layers: int, device, gate: str = "bounded"):
     from fla.models import KDAConfig, KDAForCausalLM
 
-    cfg = KDAConfig(**BASE_CONFIG, num_hidden_layers=layers)
+    cfg = KDAConfig(**{**BASE_CONFIG, **GATES[gate]}, num_hidden_layers=layers)
     torch.manual_seed(0)
     with torch.device(device):
         model = KDAForCausalLM(cfg)
@@ -499,12 +502,13 @@ def run_one(model, device, kind: str, param, reps: int | None = None) -> dict:
 
 
 def to_records(res: dict, n_layers: int, kind: str, cfg: dict, routes: dict, jit: dict, header: dict,
-               jit_timed: dict | None = None) -> list[dict]:
+               jit_timed: dict | None = None, gate: str = "bounded") -> list[dict]:
     op, mode = OPS[kind]
     recs = []
+    bench = f"KDAForCausalLM {n_layers} layers" + ("" if gate == "bounded" else f", {gate} gate")
     for side in ("plain", "patched"):
         d = res.get(side, {})
-        rec = {"op": op, "bench": f"KDAForCausalLM {n_layers} layers", "impl": side, "mode": mode,
+        rec = {"op": op, "bench": bench, "impl": side, "mode": mode,
                "shape": res["shape"], "B": res["B"], "T": res["T"], "layers": n_layers, "config": cfg,
                "error": res.get("error"), "commit": header.get("fla_cula commit"), "gpu": header.get("gpu")}
         rec.update({k: v for k, v in d.items()})
@@ -525,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="directory for BENCHMARK_<tag>.md and benchmark_<tag>.json (merged into)")
     p.add_argument("--tag", default=None, help="report suffix (default: the GPU's, e.g. H200)")
     p.add_argument("--budget", type=float, default=None, help="seconds: start no new row after this")
+    p.add_argument("--gate", choices=sorted(GATES), default="bounded",
+                   help="bounded: safe_gate, lower_bound=-5 (default); softplus: the KDA layer's default gate")
     p.add_argument("--list", action="store_true")
     a = p.parse_args(argv)
     todo = plan(a.layers, a.rows)
@@ -557,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         if n not in models:
             models.clear()
             torch.cuda.empty_cache()
-            models[n] = build_model(n, device)
+            models[n] = build_model(n, device, a.gate)
         model, cfg = models[n]
         cfg_d = {k: getattr(cfg, k) for k in (*BASE_CONFIG, "num_hidden_layers")}
         routing.reset_status()
@@ -572,7 +578,8 @@ def main(argv: list[str] | None = None) -> int:
                    "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
             with contextlib.suppress(Exception):
                 torch.cuda.synchronize()
-        recs = to_records(res, n, kind, cfg_d, routing.status(), _delta(j0, _jit_stats()), header, dict(TIMED_JIT))
+        recs = to_records(res, n, kind, cfg_d, routing.status(), _delta(j0, _jit_stats()), header, dict(TIMED_JIT),
+                          a.gate)
         for r in recs:
             r["wall_s"] = round(time.perf_counter() - t0, 1)
         header["wall time"] = f"{time.perf_counter() - t_start:.0f} s ({i + 1} of {len(todo)} rows)"
