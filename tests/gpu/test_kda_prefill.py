@@ -898,11 +898,16 @@ def _grad_errors(c: Cfg, fla_fns) -> dict[str, tuple[float, float, float, torch.
 def test_grad(c, form, strict_mode, fla_fns):
     """Every gradient but dA_log within the fp64 / FLA bars on this draw (dA_log: test_grad_dA_log_over_seeds), with
     the fused kernel and with the two-kernel form split in 3 segments (its prep writes Aqk / Akk chunk-parallel)."""
+    two = form != "fused"
+    _assert_grads_within_bars(c, fla_fns, two_kernel=two, segments=3 if two else None)
+
+
+def _assert_grads_within_bars(c: Cfg, fla_fns, **tuning):
+    """_grad_errors under set_tuning(**tuning): every gradient but dA_log judged by parity.rules (fp64 and FLA bars)."""
     from fla_cula.kernels import kda_prefill
     from parity import rules
 
-    two = form != "fused"
-    kda_prefill.set_tuning(two_kernel=two, segments=3 if two else None)
+    kda_prefill.set_tuning(**tuning)
     try:
         errs, bad = _grad_errors(c, fla_fns), []
     finally:
@@ -935,19 +940,9 @@ def test_grad_unbounded(c, segments, strict_mode, fla_fns, monkeypatch):
     backward's intra and gate steps on our kernels, nothing falls back). Runs whatever UNBOUNDED_GRAD_VERIFIED says:
     this is the test that verifies it."""
     from fla_cula.kernels import kda_prefill
-    from parity import rules
 
     monkeypatch.setattr(kda_prefill, "UNBOUNDED_GRAD_VERIFIED", True)
-    kda_prefill.set_tuning(segments=segments)
-    try:
-        errs, bad = _grad_errors(c, fla_fns), []
-    finally:
-        kda_prefill.set_tuning()
-    for name, (e_c, e_f, amax, dtype) in errs.items():
-        ok, note = rules.judge(name, e_c, e_f, amax, dtype)
-        if not ok and name != "dA_log":
-            bad.append(note or name)
-    assert not bad, f"{'; '.join(bad)} ({errs})"
+    _assert_grads_within_bars(c, fla_fns, segments=segments)
 
 
 @pytest.mark.parametrize("form", ["fused", "two-P3"])
