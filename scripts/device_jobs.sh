@@ -22,9 +22,9 @@
 #   lreport python -m benchmarks --only chunk_lightning_attn (graph, eager, fwdbwd): the lightning report rows
 #   peers   python -m benchmarks prefill --peers (cuDNN from .gpu/c, FlashKDA's source build from .gpu/fk)
 #   ncu     Nsight Compute on kda_prep / kda_state (benchmarks/ncu_kda.py), reports under OUT/ncu
-#   unbounded the unbounded gates' GPU tests, strict: the backward's intra and gate kernels in both forms
-#            (tests/gpu/test_kda_bwd.py: ~4 min on a fresh machine) and chunk_kda's softplus / precomputed cases with
-#            grad (test_kda_prefill.py)
+#   unbounded the unbounded gates' GPU tests, strict: chunk_kda's softplus / precomputed cases with grad
+#            (test_kda_prefill.py) first, then the backward's intra and gate kernels in both forms
+#            (tests/gpu/test_kda_bwd.py: ~4 min on a fresh machine)
 #   gateforms python -m benchmarks.kda_gate_forms (GF_ARGS): FLA and fla_cula per gate form, fwd and train
 #   flatests FLA's test_kda.py chunk cases through the plugin (carry .flatests; xdist when present: on a cold Triton
 #            cache each new shape autotunes FLA for ~2 min, so one process runs ~3 cases in 6 min; docs/measuring.md)
@@ -166,9 +166,9 @@ for j in "$@"; do
       mkdir -p "$OUT/ncu"
       job ncu "${T_NCU:-400}" python -m benchmarks.ncu_kda --out "$OUT/ncu" ${NCU_ARGS:-} ;;
     unbounded)
-      job unbounded "${T_UNB:-540}" bash -c "FLA_CULA_STRICT=1 python -m pytest tests/gpu/test_kda_bwd.py -q -rfE \
-        -p no:cacheprovider $XDIST -k 'intra or gate or rejects' && FLA_CULA_STRICT=1 python -m pytest \
-        tests/gpu/test_kda_prefill.py -q -rfE -p no:cacheprovider $XDIST -k 'unbounded or abi or out_of_scope'" ;;
+      job unbounded "${T_UNB:-540}" bash -c "FLA_CULA_STRICT=1 python -m pytest tests/gpu/test_kda_prefill.py -q -rfE \
+        -p no:cacheprovider $XDIST -k 'unbounded or abi or out_of_scope'; rp=\$?; FLA_CULA_STRICT=1 python -m pytest \
+        tests/gpu/test_kda_bwd.py -q -rfE -p no:cacheprovider $XDIST -k 'intra or gate or rejects' && exit \$rp" ;;
     gateforms)
       TAIL=${TAIL:-20} job gateforms "${T_GF:-300}" python -m benchmarks.kda_gate_forms ${GF_ARGS:-} ;;
     flatests)
