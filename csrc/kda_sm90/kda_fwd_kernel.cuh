@@ -653,7 +653,8 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   auto Xd_at = [&](int i, int j) -> float& { return (i >> 4) == (j >> 4) ? L_at(i, j) : X_at(i, j); };
   // kWide: the wide channels' exact share of the diagonal blocks, corr(0, r, i, j) of Aqk_rr and corr(1, r, i, j) of
   // L_rr (before beta), in akkb's storage (8 KB: free from the chunk's start to phase 5b). Zeroed in phase 2, summed
-  // in phase 3 (shared-memory atomics), added to the diagonal products in phase 4.
+  // in phase 3 (a butterfly per warp, then one shared-memory add per warp and entry), added to the diagonal products
+  // in phase 4.
   auto corr = [&](int m, int r, int i, int j) -> float& {
     return reinterpret_cast<float*>(&sm.akkb[0][0])[((m * 4 + r) * kBC + i) * kBC + j];
   };
@@ -1285,26 +1286,51 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
         float const b0 = float(sm.anc_b[r][d]), b1 = float(sm.anc_b[r][d + 1]);
         float const hb0 = ex2(sm.g63[d] - b0), hb1 = ex2(sm.g63[d + 1] - b1);  // 2^(G_63 - B_r)
         if constexpr (kWide) {
-          // this thread's wide channels (span A_r - B_r past kSpanMax; rare): their exact share of the diagonal
-          // blocks, q^_i k^_j 2^(G_i - G_j) (j <= i) of Aqk_rr and k^_i k^_j 2^(G_i - G_j) (j < i) of L_rr (exponents
-          // <= 0: G is non-increasing), the scaled rows as phase 3's factors take them
-#pragma unroll
-          for (int ch = 0; ch < 2; ++ch) {
-            int const cc = d + ch;
-            if ((ch ? ia1 : ia0) - sm.anc_b[r][cc] <= kSpanMax) continue;
+          // The wide channels (span A_r - B_r past kSpanMax; their diagonal-block factors are 0): their exact share
+          // of block r's diagonal block, summed over the block's wide channels, W_ij = sum_c q^_ic k^_jc 2^(G_ic -
+          // G_jc) (j <= i) of Aqk_rr and K_ij, the same with k^_ic (j < i), of L_rr (exponents <= 0: G is
+          // non-increasing). Per row i a lane holds its channel pair's 16 + 16 terms (0 where not wide or j past
+          // the mask); the warp's butterfly leaves lane l the warp's sum of term (l >> 1) % 16, of W (l even) or K
+          // (l odd), added to corr (the block's two warps: two adds per entry). Warps with no wide channel skip it.
+          bool const wd0 = ia0 - sm.anc_b[r][d] > kSpanMax, wd1 = ia1 - sm.anc_b[r][d + 1] > kSpanMax;
+          if (__any_sync(0xffffffffu, wd0 || wd1)) {
 #pragma unroll
             for (int i = 0; i < kBC; ++i) {
               int const ti = kBC * r + i;
-              float const gi = ch ? Gr[i].y : Gr[i].x;
-              float const qi = __bfloat162float(sm.u1.raw.q[ti][cc]) * (p.scale * sm.rstd_q[ti]);
-              float const ki = __bfloat162float(sm.u1.raw.k[ti][cc]) * sm.rstd_k[ti];
+              float2 const qi = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.q[ti][d]));
+              float2 const ki = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[ti][d]));
+              float const sq = p.scale * sm.rstd_q[ti], sk = sm.rstd_k[ti];
+              float const qa = wd0 ? qi.x * sq : 0.f, qb = wd1 ? qi.y * sq : 0.f;
+              float const ka = wd0 ? ki.x * sk : 0.f, kb = wd1 ? ki.y * sk : 0.f;
+              float w[kBC], kk[kBC];
 #pragma unroll
-              for (int j = 0; j <= i; ++j) {
-                int const tj = kBC * r + j;
-                float const kj = __bfloat162float(sm.u1.raw.k[tj][cc]) * sm.rstd_k[tj];
-                float const e = ex2(gi - (ch ? Gr[j].y : Gr[j].x));
-                red_add_shared(&corr(0, r, i, j), qi * kj * e);
-                if (j < i) red_add_shared(&corr(1, r, i, j), ki * kj * e);
+              for (int j = 0; j < kBC; ++j) {
+                w[j] = kk[j] = 0.f;
+                if (j <= i) {
+                  int const tj = kBC * r + j;
+                  float const skj = sm.rstd_k[tj];
+                  __nv_bfloat162 const kj = *reinterpret_cast<__nv_bfloat162 const*>(&sm.u1.raw.k[tj][d]);
+                  float const ta = __bfloat162float(kj.x) * skj * ex2(Gr[i].x - Gr[j].x);
+                  float const tb = __bfloat162float(kj.y) * skj * ex2(Gr[i].y - Gr[j].y);
+                  w[j] = fmaf(qa, ta, qb * tb);
+                  if (j < i) kk[j] = fmaf(ka, ta, kb * tb);
+                }
+              }
+              butterfly_halve<8>(w, lane);
+              butterfly_halve<4>(w, lane);
+              butterfly_halve<2>(w, lane);
+              butterfly_halve<1>(w, lane);
+              butterfly_halve<8>(kk, lane);
+              butterfly_halve<4>(kk, lane);
+              butterfly_halve<2>(kk, lane);
+              butterfly_halve<1>(kk, lane);
+              float const ws = w[0] + __shfl_xor_sync(0xffffffffu, w[0], 1);
+              float const ks = kk[0] + __shfl_xor_sync(0xffffffffu, kk[0], 1);
+              int const j = (lane >> 1) & (kBC - 1);
+              if (lane & 1) {
+                if (j < i) red_add_shared(&corr(1, r, i, j), ks);
+              } else if (j <= i) {
+                red_add_shared(&corr(0, r, i, j), ws);
               }
             }
           }

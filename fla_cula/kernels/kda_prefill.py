@@ -46,11 +46,13 @@ if not hasattr(_C, "kda_fwd"):
 HEAD_DIM = 128
 CHUNK = 64
 UNBOUNDED_OFF_REASON = "unbounded gate (softplus / precomputed g): the two-kernel form only (turned off by set_tuning)"
-# Under grad the unbounded gates take our backward's unbounded intra form and softplus gate step (emulated on the
-# CPU); False until the strict GPU suite (tests/gpu/test_kda_prefill.py::test_grad_unbounded) has passed on a GPU.
-UNBOUNDED_GRAD_VERIFIED = False
-UNBOUNDED_GRAD_REASON = ("unbounded gate (softplus / precomputed g) under grad: the backward's unbounded intra form "
-                         "is not yet verified on a GPU (UNBOUNDED_GRAD_VERIFIED)")
+# The unbounded gates take our kernels (forward, and under grad the backward's unbounded intra and softplus gate steps)
+# only while UNBOUNDED_ROUTED: off since the prep's first wide-channel path (channels whose 16-token span passes
+# kSpanMax) measured 7x FLA's time with half of the channel blocks wide (H100, softplus B2 T4096 H32: 10.3 vs 1.4 ms;
+# docs/kda_sm90.md). The GPU suite passed on that path; its butterfly rewrite is emulated, not yet run on a GPU.
+UNBOUNDED_ROUTED = False
+UNBOUNDED_WAIT_REASON = ("unbounded gate (softplus / precomputed g): the prep's wide-channel path is not yet timed "
+                         "against FLA (kda_prefill.UNBOUNDED_ROUTED)")
 _BF16 = torch.bfloat16
 _PARAM_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -466,11 +468,11 @@ def _size_reason(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu
                  cfg: KDAChunkConfig) -> str | None:
     """Per-call checks that depend on grad (the memo key does not hold requires_grad) or on set_tuning."""
     unbounded = gate_form(cfg) != "sigmoid_lb"
+    if unbounded and not UNBOUNDED_ROUTED:
+        return UNBOUNDED_WAIT_REASON
     if unbounded and (_TUNING["two_kernel"] is False or not _TUNING["wgmma"]):
         return UNBOUNDED_OFF_REASON
     if needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
-        if unbounded and not UNBOUNDED_GRAD_VERIFIED:
-            return UNBOUNDED_GRAD_REASON
         if cfg.chunk_size != CHUNK:
             return f"v1: chunk_size={cfg.chunk_size} under grad (Aqk/Akk are written for chunk 64)"
         if cfg.disable_recompute:
