@@ -1169,8 +1169,8 @@ def test_unbounded_gate_prep_emulated_matches_fp64(emulator, form, segments):
 def _heavy_gate_case(form):
     """Strong unbounded gates everywhere (softplus with exp(A_log) = e^2 and dt_bias ~ randn, or a precomputed
     -6 softplus(randn)): about half of all (block, channel) spans pass kSpanMax, so most warps hold several wide
-    channels at once and every lane's butterfly share counts (the regime where session 41's per-channel shared-memory
-    atomics ran the prep ~30x slower)."""
+    channels at once and every lane's butterfly share counts (the regime where the first wide path's per-channel
+    shared-memory atomics ran the prep ~30x slower)."""
     q, k, v, g, beta, A_log, dt_bias, h0 = _inputs(1, 150, 1, 2, "random", seed=7)
     if form == "softplus":
         A_log = torch.full((2,), 2.0)
