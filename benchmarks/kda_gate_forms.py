@@ -9,7 +9,6 @@ Gate forms (FLA's KDA layer flags otherwise: q/k l2norm and beta sigmoid in kern
                more than 120 log2 units, the prep's wide-channel path)
   softplus_init  the same with the layer's dt_bias init (softplus(dt_bias) log-uniform in [1e-3, 0.1]): no wide blocks
   precomputed  g a log decay (logsigmoid of randn), use_gate_in_kernel off
-fla_cula's unbounded forms are timed with kda_prefill.UNBOUNDED_ROUTED on (off by default: they fall back to FLA).
 ms as the harness's do_bench median (eager; warm-up excluded); fwd under inference_mode, train = forward + backward
 with do and dht. The route column is fla_cula's for the call (kernel, or the fallback's reason).
 """
@@ -102,8 +101,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--forms", nargs="+", default=list(FORMS), choices=FORMS)
     ap.add_argument("--modes", nargs="+", default=["fwd", "train"], choices=["fwd", "train"])
     a = ap.parse_args(argv)
-    from fla_cula.kernels import kda_prefill
-    kda_prefill.UNBOUNDED_ROUTED = True
     fla, cula = _fns()
     print(f"{'B':>3} {'T':>6} {'H':>4} {'form':<14} {'mode':<6} {'FLA ms':>8} {'ours ms':>8} {'speedup':>8}  route")
     for B, T, H in json.loads(a.rows):

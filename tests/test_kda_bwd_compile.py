@@ -20,7 +20,7 @@ from tests.test_kda_prefill_compile import EMULATOR_CPP, build_emulator
 
 # the forward's emulator prelude with its per-warp exchange arrays sized for the backward's 16 warps
 _PRELUDE = EMULATOR_CPP.split("#define FLA_CULA_KDA_HOST_EMULATION 1")[0]
-for _name in ("g_wbar", "g_x", "g_a", "g_b", "g_c", "g_sp", "g_sr", "g_lp"):
+for _name in ("g_wbar", "g_x", "g_a", "g_b", "g_c", "g_sp", "g_sr", "g_lp", "g_any"):
     assert f"{_name}[8]" in _PRELUDE, _name
     _PRELUDE = _PRELUDE.replace(f"{_name}[8]", f"{_name}[16]")
 # one emulated launch: CTA b = 0 .. blocks - 1 in turn, its threads as std::threads running kernel(), shared memory
@@ -274,7 +274,7 @@ def bwd_intra_inputs(B, T, H, HV, lens=None, seed=0, at_bound=False, unbounded=F
     spans 64 steps of it and most pairs' factors underflow), dAqk lower triangular with its diagonal, dAkk strictly
     lower, incoming dq, dk, dg, db. unbounded: softplus-like steps up to ~20 (log2) on a quarter of the channels
     (16-token spans of 60-300: both anchor kinds of the unbounded form) and drops of 150 at a few (token, channel)
-    places, the rest as above."""
+    places, the rest as above; unbounded="heavy": those steps on three channels of four (most blocks wide)."""
     import math
 
     gen = torch.Generator().manual_seed(seed)
@@ -289,7 +289,8 @@ def bwd_intra_inputs(B, T, H, HV, lens=None, seed=0, at_bound=False, unbounded=F
         step = torch.full_like(step, LOWER_BOUND / math.log(2))
     if unbounded:
         fast = torch.rand(B, T, HV, 128, generator=gen) * -20.0
-        step = torch.where(torch.arange(128) % 4 == 1, fast, step)
+        step = torch.where(torch.arange(128) % 4 != 0 if unbounded == "heavy" else torch.arange(128) % 4 == 1,
+                           fast, step)
         for t, c in UNBOUNDED_DROPS:
             if t < T:
                 step[:, t, :, c] = -150.0
@@ -352,6 +353,7 @@ INTRA_CASES = {
     # the unbounded form (gate_shift 0): per-channel anchors, wide channels summed pairwise
     "unbounded-tail": dict(B=1, T=100, H=1, HV=1, unbounded=True),
     "unbounded-varlen-gva": dict(B=1, T=86, H=1, HV=2, lens=[70, 1, 15], unbounded=True),
+    "unbounded-heavy": dict(B=1, T=100, H=1, HV=1, unbounded="heavy"),  # most lanes hold several wide channels
     "unbounded-slow": dict(B=1, T=64, H=1, HV=1),  # a bounded gate through the unbounded form
 }
 
@@ -367,6 +369,8 @@ def test_bwd_intra_emulated_matches_fp64_model(intra_emulator, case):
     if kw.get("unbounded"):  # both anchor kinds occur: 16-token spans past kSpanMax = 120 and within it past 60
         spans = _block_spans(x["g"], x["cu_seqlens"])
         assert int((spans > 120).sum()) >= 6 and int(((spans > 60) & (spans <= 120)).sum()) >= 6, spans.shape
+        if kw["unbounded"] == "heavy":
+            assert float((spans > 120).double().mean()) > 0.5, "the heavy case: most (block, channel) spans wide"
     got = _emulate_intra(intra_emulator, x, lens, shift=0.0 if unbounded else BOUNDED_SHIFT)
     ref = bwd_intra_reference(x["q"], x["k"], x["g"], x["beta"], x["dAqk"], x["dAkk"], x["dq"], x["dk"], x["db"],
                               x["dg"], x["cu_seqlens"])

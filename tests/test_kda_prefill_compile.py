@@ -376,8 +376,8 @@ def test_plan_reasons(cfg, match):
 @pytest.mark.parametrize("cfg", [dict(lower_bound=None, safe_gate=False), dict(use_gate_in_kernel=False)],
                          ids=["softplus", "precomputed"])
 def test_plan_unbounded_gates(cfg, monkeypatch):
-    """The unbounded gates: the plan's memoized answer holds no reason; per call, while UNBOUNDED_ROUTED is off (the
-    default), the reason that sends them to FLA, in inference and under grad; with it on, served in both, and a reason
+    """The unbounded gates: the plan's memoized answer holds no reason; per call, with UNBOUNDED_ROUTED on (the
+    default), served in inference and under grad; turned off, the reason that sends them to FLA in both; a reason
     where set_tuning turned the two-kernel form off; the two-kernel plan is taken even where the fused kernel would be
     predicted faster (it takes the bounded gate only)."""
     from fla_cula.kernels import kda_prefill
@@ -388,11 +388,12 @@ def test_plan_unbounded_gates(cfg, monkeypatch):
     assert r is None, r
     assert kda_prefill.gate_form(args[-1]) == ("softplus" if "lower_bound" in cfg else "precomputed")
     x = args[0].clone().requires_grad_(True)
-    assert not kda_prefill.UNBOUNDED_ROUTED
-    assert go.size_reason(*args) == go.size_reason(x, *args[1:]) == kda_prefill.UNBOUNDED_WAIT_REASON
-    monkeypatch.setattr(kda_prefill, "UNBOUNDED_ROUTED", True)
+    assert kda_prefill.UNBOUNDED_ROUTED
     assert go.size_reason(*args) is None
     assert go.size_reason(x, *args[1:]) is None
+    monkeypatch.setattr(kda_prefill, "UNBOUNDED_ROUTED", False)
+    assert go.size_reason(*args) == go.size_reason(x, *args[1:]) == kda_prefill.UNBOUNDED_WAIT_REASON
+    monkeypatch.setattr(kda_prefill, "UNBOUNDED_ROUTED", True)
     try:
         kda_prefill.set_tuning(two_kernel=False)
         assert "two-kernel form only" in go.size_reason(*args)

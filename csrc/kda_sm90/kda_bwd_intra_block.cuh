@@ -35,6 +35,12 @@
 
 namespace fla_cula::kda_sm90 {
 
+// A pair of bf16 values in shared memory as fp32 (the first at the lower address)
+__device__ __forceinline__ float2 ld_bf16x2(void const* p) {
+  uint32_t const x = *static_cast<uint32_t const*>(p);
+  return make_float2(bf16_lo(x), bf16_hi(x));
+}
+
 // x = hi + lo for a pair of fp32 values: two packed bf16 pairs (the first value in the low halves)
 struct Bf16x2Split {
   uint32_t hi, lo;
@@ -216,7 +222,7 @@ __device__ __forceinline__ void intra_products(IntraTiles const& tl, int L, floa
     for (int nt = 0; nt < 4; ++nt) {
       int const c = c0 + 8 * nt + g8;
       float ref = diag ? gs(r0, c) - 7.5f * shift : gs(16 * J + 16, c);
-      bool skip = false;  // a wide channel's own block: its terms come from wide_share
+      bool skip = false;  // a wide channel's own block: its terms come from intra_wide_fixup
       if constexpr (kWide) {
         if (diag) {
           DiagAnchor const a = anchor(c);
@@ -281,49 +287,85 @@ __device__ __forceinline__ void intra_products(IntraTiles const& tl, int L, floa
   }
 }
 
-// A wide channel c's terms within its diagonal block (rows r0 .. e), pairwise with every factor <= 1: row t's
-// dq' and dk' (s <= t) and column t's dkt (u >= t)
-struct WideShare {
-  float q, k, t;
-};
-__device__ __forceinline__ WideShare wide_share(IntraTiles const& tl, int r0, int e, int t, int c) {
-  float const gt = tl.g[t * kLdG + c];
-  WideShare w{0.f, 0.f, 0.f};
-#pragma unroll 1
-  for (int s = r0; s <= e; ++s) {  // s <= t: row t's terms; s >= t: column t's (dAkk is zero on its diagonal)
-    float const gs = tl.g[s * kLdG + c], ks = __bfloat162float(tl.k[s * kLdK + c]);
-    if (s <= t) {
-      float const x = ex2(gt - gs) * ks;
-      w.q += dA_at(tl.dAqk, t, s) * x;
-      w.k += dA_at(tl.dAkk, t, s) * x;
-    }
-    if (s >= t) {
-      w.t += ex2(gs - gt) * (dA_at(tl.dAqk, s, t) * __bfloat162float(tl.q[s * kLdK + c]) +
-                             dA_at(tl.dAkk, s, t) * tl.beta[s] * ks);
-    }
-  }
-  return w;
-}
-
-// kWide, before intra_epilogue: the wide channels' own-block terms of this thread's entries (intra_epilogue's
-// positions) as the epilogue would add them, dq' + w.q, dk' + w.k, dkt + w.t being linear in its outputs, added to
-// the incoming values through add(t, c, dq, dk, dg) (each entry read and written by its owner thread) and to dbp.
-// One rolled loop over the 16 entries: wide channels are rare and the epilogue's registers stay its own.
+// kWide, before intra_epilogue: a wide channel's terms within its diagonal block (rows r0 .. e), pairwise with every
+// factor <= 1, for this thread's entries (intra_epilogue's positions): row t's dq' and dk' (s <= t) and column t's
+// dkt (u >= t),
+//   w.q = sum_{s<=t} dAqk[t][s] E_ts k_s,   w.k likewise with dAkk,
+//   w.t = sum_{u>=t} E_ut (dAqk[u][t] q_u + dAkk[u][t] beta_u k_u),
+// added to the incoming values as the epilogue adds dq', dk', dkt (it is linear in them) through
+// add(t, c, dq, dk, dg) (float2 over channels c, c + 1; each entry read and written by its owner thread) and to dbp.
+// Four passes (row h, 4 of this thread's 8 channels), each one loop over the block's tokens: a token's g, k, q and 4
+// dA entries loaded once for 4 entries, one ex2 each (E_ts for s <= t, E_st past it). A pass without a wide channel
+// is skipped, the whole step where the warp has none.
 template <class Add>
 __device__ __forceinline__ void intra_wide_fixup(IntraTiles const& tl, int L, int I, int c0, int lane,
                                                  float (&dbp)[2], Add const& add) {
-  int const g8 = lane >> 2, t4 = lane & 3, r0 = 16 * I, last = r0 + 15 < L - 1 ? r0 + 15 : L - 1;
+  int const g8 = lane >> 2, t4 = lane & 3, r0 = 16 * I;
   if (I > (L - 1) >> 4) return;
+  int const last = r0 + 15 < L - 1 ? r0 + 15 : L - 1;
+  auto col = [&](int j) { return c0 + 8 * (j >> 1) + 2 * t4 + (j & 1); };  // channel j of this thread's 8
+  unsigned wide = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) wide |= unsigned(diag_anchor(tl.g, r0, last, col(j)).wide) << j;
+  if (!__any_sync(0xffffffffu, wide != 0)) return;
 #pragma unroll 1
-  for (int i = 0; i < 16; ++i) {
-    int const h = i >> 3, t = r0 + g8 + 8 * h, c = c0 + 8 * ((i >> 1) & 3) + 2 * t4 + (i & 1);
-    if (t >= L || !diag_anchor(tl.g, r0, last, c).wide) continue;
-    WideShare const w = wide_share(tl, r0, last, t, c);
-    float const b = tl.beta[t], kk = __bfloat162float(tl.k[t * kLdK + c]);
-    float const qq = __bfloat162float(tl.q[t * kLdK + c]), dk = b * w.k;
-    add(t, c, w.q, dk + w.t, qq * w.q + (dk - w.t) * kk);
-    dbp[0] += h ? 0.f : w.k * kk;
-    dbp[1] += h ? w.k * kk : 0.f;
+  for (int pass = 0; pass < 4; ++pass) {  // row h = pass / 2, channels 4 (pass % 2) .. + 3 of this thread's 8
+    int const h = pass >> 1, j0 = 4 * (pass & 1), t = r0 + g8 + 8 * h;
+    unsigned const on = (wide >> j0) & 15u;  // its wide channels (within kSpanMax: the block's terms are the epilogue's)
+    if (t >= L || !on) continue;
+    float gt[4], wq[4], wk[4], wt[4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      float2 const x = *reinterpret_cast<float2 const*>(tl.g + t * kLdG + col(j0 + 2 * n));
+      gt[2 * n] = x.x, gt[2 * n + 1] = x.y;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) wq[j] = wk[j] = wt[j] = 0.f;
+#pragma unroll 1
+    for (int s = r0; s <= last; ++s) {
+      bool const row = s <= t, column = s >= t;  // dAkk is zero on its diagonal
+      float const aq = row ? dA_at(tl.dAqk, t, s) : 0.f, ak = row ? dA_at(tl.dAkk, t, s) : 0.f;
+      float const tq = column ? dA_at(tl.dAqk, s, t) : 0.f, tk = column ? dA_at(tl.dAkk, s, t) * tl.beta[s] : 0.f;
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        int const c = col(j0 + 2 * n);
+        float2 const gs = *reinterpret_cast<float2 const*>(tl.g + s * kLdG + c);
+        float2 const ks = ld_bf16x2(tl.k + s * kLdK + c), qs = ld_bf16x2(tl.q + s * kLdK + c);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          int const j = 2 * n + e;
+          float const g = e ? gs.y : gs.x, kv = e ? ks.y : ks.x, qv = e ? qs.y : qs.x;
+          float const E = ex2(row ? gt[j] - g : g - gt[j]);
+          float const x = E * kv;
+          wq[j] += aq * x;
+          wk[j] += ak * x;
+          wt[j] += E * (tq * qv + tk * kv);
+        }
+      }
+    }
+    float const b = tl.beta[t];
+    float db = 0.f;
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      if (!((on >> (2 * n)) & 3u)) continue;
+      int const c = col(j0 + 2 * n);
+      float2 const kk = ld_bf16x2(tl.k + t * kLdK + c), qq = ld_bf16x2(tl.q + t * kLdK + c);
+      float dq[2], dk[2], dg[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        int const j = 2 * n + e;
+        bool const w = (on >> j) & 1u;
+        float const q2 = w ? wq[j] : 0.f, k2 = w ? wk[j] : 0.f, t2 = w ? wt[j] : 0.f;
+        float const kv = e ? kk.y : kk.x, qv = e ? qq.y : qq.x;
+        dq[e] = q2;
+        dk[e] = b * k2 + t2;
+        dg[e] = qv * q2 + (b * k2 - t2) * kv;
+        db += k2 * kv;
+      }
+      add(t, c, make_float2(dq[0], dq[1]), make_float2(dk[0], dk[1]), make_float2(dg[0], dg[1]));
+    }
+    dbp[0] += h ? 0.f : db;  // (h is a loop variable: dbp stays in registers)
+    dbp[1] += h ? db : 0.f;
   }
 }
 

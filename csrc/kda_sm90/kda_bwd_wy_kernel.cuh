@@ -59,11 +59,6 @@ __device__ __forceinline__ void put_row_shares(float* slot, float const (&x)[2],
   }
 }
 
-__device__ __forceinline__ float2 ld_bf16x2(void const* p) {
-  uint32_t const x = *static_cast<uint32_t const*>(p);
-  return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
-}
-
 // Shared memory (~214 KB, one CTA per SM). The 64 x 128 tiles die in phases and take the later tiles' places.
 struct BwdWyStorage {
   bf16 dout[kC * kLdK];  // do; then bf16(Y) [64][kLdC]
@@ -356,11 +351,15 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
       for (int nt = 0; nt < kNT128; ++nt) fq[h][nt] = fk[h][nt] = make_float2(0.f, 0.f);
     int64_t const row0 = vrow(0), row_step = int64_t(HV) * kK;  // element offset of row t: row0 + t row_step
     if constexpr (kWide) {
-      intra_wide_fixup(tl, L, I, c128, lane, db2, [&](int t, int col, float dq, float dk, float dg) {
+      intra_wide_fixup(tl, L, I, c128, lane, db2, [&](int t, int col, float2 dq, float2 dk, float2 dg) {
         int64_t const o = row0 + t * row_step + col;
-        p.dq[o] += dq;
-        p.dk[o] += dk;
-        p.dg[o] += dg;
+        auto add2 = [](float* x, float2 d) {
+          float2 const y = *reinterpret_cast<float2 const*>(x);
+          *reinterpret_cast<float2*>(x) = make_float2(y.x + d.x, y.y + d.y);
+        };
+        add2(p.dq + o, dq);
+        add2(p.dk + o, dk);
+        add2(p.dg + o, dg);
       });
     }
     intra_epilogue<kWide>(

@@ -47,12 +47,12 @@ HEAD_DIM = 128
 CHUNK = 64
 UNBOUNDED_OFF_REASON = "unbounded gate (softplus / precomputed g): the two-kernel form only (turned off by set_tuning)"
 # The unbounded gates take our kernels (forward, and under grad the backward's unbounded intra and softplus gate steps)
-# only while UNBOUNDED_ROUTED: off since the prep's first wide-channel path (channels whose 16-token span passes
-# kSpanMax) measured 7x FLA's time with half of the channel blocks wide (H100, softplus B2 T4096 H32: 10.3 vs 1.4 ms;
-# docs/kda_sm90.md). The GPU suite passed on that path; its butterfly rewrite is emulated, not yet run on a GPU.
-UNBOUNDED_ROUTED = False
-UNBOUNDED_WAIT_REASON = ("unbounded gate (softplus / precomputed g): the prep's wide-channel path is not yet timed "
-                         "against FLA (kda_prefill.UNBOUNDED_ROUTED)")
+# while UNBOUNDED_ROUTED (on; a switch to send them to FLA). With half of the 16-token channel blocks wide (spans past
+# kSpanMax: softplus with dt_bias ~ randn) the forward measured 1.6-1.7x FLA and the training step 1.4x (H100, session
+# 43); with FLA's layer init (no wide blocks) 2.5-2.8x and 2.2x (docs/kda_sm90.md).
+UNBOUNDED_ROUTED = True
+UNBOUNDED_WAIT_REASON = ("unbounded gate (softplus / precomputed g): turned off (kda_prefill.UNBOUNDED_ROUTED = "
+                         "False)")
 _BF16 = torch.bfloat16
 _PARAM_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -64,14 +64,12 @@ SLOW_DT_BIAS = -13.0   # slow-decay channels: 1 - exp(a) < 0.01 per token (with 
 
 @pytest.fixture(autouse=True)
 def _kda_prefill_routed(monkeypatch):
-    """chunk_kda must be served by the kda_prefill kernel (the unbounded gates too: UNBOUNDED_ROUTED on). If the
-    registry still leaves the op unrouted (as chunk_lightning_attn was until its GPU tests passed), route it for this
-    test as test_training_path does; a missing or unimportable kernel module is a failure, never a skip."""
+    """chunk_kda must be served by the kda_prefill kernel (the unbounded gates too: UNBOUNDED_ROUTED, the default). If
+    the registry still leaves the op unrouted (as chunk_lightning_attn was until its GPU tests passed), route it for
+    this test as test_training_path does; a missing or unimportable kernel module is a failure, never a skip."""
     from fla_cula.kernels import registry
 
     monkeypatch.setenv("FLA_FLASH_KDA", "0")          # FLA's own FlashKDA backend off: FLA = its Triton kernels
-    from fla_cula.kernels import kda_prefill
-    monkeypatch.setattr(kda_prefill, "UNBOUNDED_ROUTED", True)  # the unbounded gates' kernels, tested here
     monkeypatch.delenv("FLA_CULA", raising=False)
     monkeypatch.delenv("FLA_CULA_STAND_IN", raising=False)
     assert "kda_prefill" in registry.KERNELS, "no 'kda_prefill' KernelEntry in fla_cula/kernels/registry.py"
@@ -939,7 +937,7 @@ GRAD_UNBOUNDED = {
                                                        "precomputed-T300-B1-drops-vfirst"}))
 def test_grad_unbounded(c, segments, strict_mode, fla_fns):
     """Every gradient but dA_log within the fp64 / FLA bars with the softplus and precomputed gates (strict: the
-    backward's intra and gate steps on our kernels, nothing falls back; UNBOUNDED_ROUTED on, this module's fixture)."""
+    backward's intra and gate steps on our kernels, nothing falls back; the default UNBOUNDED_ROUTED)."""
     _assert_grads_within_bars(c, fla_fns, segments=segments)
 
 
