@@ -3,6 +3,7 @@
     python -m benchmarks.kda_variants                      # the default rows, random gates
     python -m benchmarks.kda_variants --rows '[[1, 8192, 8]]' --regime slow
     python -m benchmarks.kda_variants --variants '{"fused": {}, "P4": {"two_kernel": true, "segments": 4}}'
+    python -m benchmarks.kda_variants --variants '{"pc4": {"two_kernel": true}, "pc2": {"prep_chunks": 2}}'
 
 Each row: one shape (K = V = 128, bf16, FLA's layer flags: l2norm, the bounded gate with A_log / dt_bias, beta
 sigmoid, h0 and the final state, the peers benchmark's inputs). FLA and every variant of ``--variants`` (name ->
@@ -97,7 +98,8 @@ def _pass_graphs(kp, kargs, B, T, H, sms, knobs, capture_graph, profile=False):
     q = kargs[0]
     lens = [T] * B
     state_rs = knobs.get("state_rs", kp.STATE_RS_VERIFIED)  # set_tuning's default when the variant does not set it
-    plan = kp.two_kernel_plan(lens, H, sms, knobs.get("segments"), knobs.get("block_v"), state_rs)
+    plan = kp.two_kernel_plan(lens, H, sms, knobs.get("segments"), knobs.get("block_v"), state_rs,
+                              knobs.get("prep_chunks"))
     calls = []
     launch = kp.launcher(*kargs)
 

@@ -1068,7 +1068,7 @@ def _h_buffers(q, cu, HV):
 
 
 def _emulate_two_kernel(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bsig, neg, svf, block_v,
-                        segments, seg_chunks=None, out_kw=None, state_rs=False, qk_kw=None, gate=0):
+                        segments, seg_chunks=None, out_kw=None, state_rs=False, qk_kw=None, gate=0, prep_chunks=None):
     """fla_cula's two-kernel orchestration (kda_prefill.run_two_kernel: prep, maps, combine, pass 2) with every
     pass emulated; records poisoned (0xff) and segment states NaN before the pass that writes them."""
     import dataclasses
@@ -1078,7 +1078,7 @@ def _emulate_two_kernel(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale,
     HV = v.shape[2]
     N = B if cu is None else cu.shape[0] - 1
     lens = [T] * B if cu is None else (cu[1:] - cu[:-1]).tolist()
-    plan = kp.two_kernel_plan(lens, HV, 132, segments=segments, block_v=block_v)
+    plan = kp.two_kernel_plan(lens, HV, 132, segments=segments, block_v=block_v, prep_chunks=prep_chunks)
     if seg_chunks is not None:
         plan = dataclasses.replace(plan, seg_chunks=seg_chunks)
     o = torch.full((B, T, HV, 128), float("nan"), dtype=torch.bfloat16)
@@ -1242,6 +1242,44 @@ def test_two_kernel_emulated_same_bits_as_fused(emulator, case, block_v):
     got = _emulate_two_kernel(emulator, *args, block_v=block_v, segments=1, **kw)
     for name, a, b in zip(("o", "ht", "Aqk", "Akk"), ref, got, strict=True):
         assert not b.isnan().any() and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("prep_chunks", [1, 3])
+def test_two_kernel_prep_chunks_emulated_same_bits(emulator, prep_chunks):
+    """The prep is chunk-parallel: any number of chunks per prep CTA (set_tuning(prep_chunks=...); here 1, and 3,
+    which leaves a CTA of a partial block at a sequence's end) writes the same records, so the split's o, final
+    state, Aqk and Akk are bit-identical to the default's (4); a chunk prepared from the wrong rows or a record left
+    poisoned is not. (The kernel's last prep unit takes whatever lies beyond, so units only set the grid:
+    test_set_tuning_prep_chunks checks the plan's.)"""
+    _ext_or_skip()
+    q, k, v, g, beta, A_log, dt_bias, _ = _inputs(1, 390, 1, 2, "slow", seed=5)
+    cu = torch.tensor([0, 0, 320, 390], dtype=torch.int64)  # an empty sequence, 5 chunks, 2 chunks (one a tail)
+    h0 = torch.randn(3, 2, 128, 128, generator=torch.Generator().manual_seed(6)) * 0.5
+    args = (q, k, v, g, beta.float(), None, dt_bias, h0, cu)
+    kw = dict(scale=0.1, lb=-2.0, l2=True, bsig=True, neg=False, svf=False)
+    ref = _emulate_two_kernel(emulator, *args, block_v=64, segments=2, **kw)
+    got = _emulate_two_kernel(emulator, *args, block_v=64, segments=2, prep_chunks=prep_chunks, **kw)
+    for name, a, b in zip(("o", "ht", "Aqk", "Akk"), ref, got, strict=True):
+        assert not b.isnan().any() and torch.equal(a, b), name
+
+
+def test_set_tuning_prep_chunks():
+    """prep_chunks: validated, carried by the plan (prep CTAs per pair = ceil(chunks / prep_chunks)), and None
+    restores PREP_CHUNKS."""
+    from fla_cula.kernels import kda_prefill as kp
+    for bad in (0, 17, 2.0, True):
+        with pytest.raises(ValueError, match="prep_chunks"):
+            kp.set_tuning(prep_chunks=bad)
+    lens = [64 * 30]
+    assert kp.two_kernel_plan(lens, 8, 132).prep_chunks == kp.PREP_CHUNKS
+    plan = kp.two_kernel_plan(lens, 8, 132, prep_chunks=2)
+    assert (plan.prep_chunks, plan.prep_units) == (2, 15)
+    try:
+        kp.set_tuning(two_kernel=True, prep_chunks=8)
+        assert kp.two_kernel_choice(lens, 8, 132).prep_units == 4
+    finally:
+        kp.set_tuning()
+    assert kp.two_kernel_choice(lens, 8, 132) is None or kp.two_kernel_choice(lens, 8, 132).prep_chunks == 4
 
 
 @pytest.mark.parametrize("form", ["fused", "two-kernel"])

@@ -66,14 +66,16 @@ _PARAM_DTYPES = (torch.float32, torch.bfloat16)
 # STATE_RS_VERIFIED: on by default since session 28 (an H100, commit 251353f: the strict KDA GPU suite, 242 passed,
 # with it forced on and with it the default; 4-16% faster than kda_state_kernel on every measured row).
 STATE_RS_VERIFIED = True
-_TUNING = {"block_v": None, "wgmma": True, "two_kernel": None, "segments": None, "state_rs": STATE_RS_VERIFIED}
+_TUNING = {"block_v": None, "wgmma": True, "two_kernel": None, "segments": None, "state_rs": STATE_RS_VERIFIED,
+           "prep_chunks": None}
 
 
 def set_tuning(block_v: int | None = None, wgmma: bool = True, two_kernel: bool | None = None,
-               segments: int | None = None, state_rs: bool = STATE_RS_VERIFIED) -> None:
+               segments: int | None = None, state_rs: bool = STATE_RS_VERIFIED, prep_chunks: int | None = None) -> None:
     """Force the V columns per CTA (64 or 128) for every call (None: chosen per call), pick the instruction of the
-    state-side products (wgmma or mma.sync), force or forbid the two-kernel form and its number of segments, and pick
-    the two-kernel form's state-pass kernel (state_rs: the state in registers); no argument: the defaults."""
+    state-side products (wgmma or mma.sync), force or forbid the two-kernel form and its number of segments, pick
+    the two-kernel form's state-pass kernel (state_rs: the state in registers) and force its chunks per prep CTA
+    (None: PREP_CHUNKS); no argument: the defaults."""
     if block_v not in (None, 64, 128):
         raise ValueError(f"block_v={block_v!r}: expected None, 64 or 128")
     if not isinstance(wgmma, bool):
@@ -84,9 +86,13 @@ def set_tuning(block_v: int | None = None, wgmma: bool = True, two_kernel: bool 
         raise ValueError(f"segments={segments!r}: expected None or an int >= 1")
     if not isinstance(state_rs, bool):
         raise TypeError(f"state_rs: expected a bool, got {type(state_rs).__name__}")
+    if prep_chunks is not None and (not isinstance(prep_chunks, int) or isinstance(prep_chunks, bool)
+                                    or not 1 <= prep_chunks <= 16):
+        raise ValueError(f"prep_chunks={prep_chunks!r}: expected None or an int in [1, 16]")
     if two_kernel and not wgmma:
         raise ValueError("two_kernel=True needs wgmma=True (the records are wgmma tile images)")
-    _TUNING.update(block_v=block_v, wgmma=wgmma, two_kernel=two_kernel, segments=segments, state_rs=state_rs)
+    _TUNING.update(block_v=block_v, wgmma=wgmma, two_kernel=two_kernel, segments=segments, state_rs=state_rs,
+                   prep_chunks=prep_chunks)
 
 
 @functools.lru_cache(maxsize=16)
@@ -294,26 +300,29 @@ class TwoKernelPlan:
     segments: int     # P (1: kernel 2 over whole sequences)
     seg_chunks: int   # chunks per segment (0 when P = 1); segment P - 1 also takes what lies beyond
     block_v: int      # pass 2's V columns per CTA
-    prep_units: int   # prep CTAs per (sequence, value head), PREP_CHUNKS chunks each
+    prep_units: int   # prep CTAs per (sequence, value head), prep_chunks chunks each
     us: float         # predicted microseconds
+    prep_chunks: int = PREP_CHUNKS  # chunks per prep CTA
 
 
 def two_kernel_plan(lens: list[int], HV: int, sms: int, segments: int | None = None,
-                    block_v: int | None = None, state_rs: bool = False) -> TwoKernelPlan:
+                    block_v: int | None = None, state_rs: bool = False,
+                    prep_chunks: int | None = None) -> TwoKernelPlan:
     """The cheapest (segments, block_v) of the two-kernel form for these lengths (pure, memoized per lengths);
-    `segments` / `block_v` force them; state_rs: the state passes on kda_state_rs_kernel. Splits are considered only
+    `segments` / `block_v` / `prep_chunks` (chunks per prep CTA; PREP_CHUNKS when None) force them; state_rs: the
+    state passes on kda_state_rs_kernel. Splits are considered only
     for grids of fewer (sequence, value head) pairs than SMs: a grid that fills the GPU gains nothing from them, and the
     search stays small on the routing path."""
-    return _two_kernel_plan(tuple(lens), HV, sms, segments, block_v, state_rs)
+    return _two_kernel_plan(tuple(lens), HV, sms, segments, block_v, state_rs, prep_chunks or PREP_CHUNKS)
 
 
 @functools.lru_cache(maxsize=256)
 def _two_kernel_plan(lens: tuple[int, ...], HV: int, sms: int, segments: int | None,
-                     block_v: int | None, state_rs: bool = False) -> TwoKernelPlan:
+                     block_v: int | None, state_rs: bool = False, pc: int = PREP_CHUNKS) -> TwoKernelPlan:
     chunks = [-(-L // CHUNK) for L in lens]
     maxc = max(chunks, default=0)
-    prep_units = max(1, -(-maxc // PREP_CHUNKS))
-    blocks = [min(PREP_CHUNKS, c - PREP_CHUNKS * u) for c in chunks for u in range(-(-c // PREP_CHUNKS))]
+    prep_units = max(1, -(-maxc // pc))
+    blocks = [min(pc, c - pc * u) for c in chunks for u in range(-(-c // pc))]
     prep = PREP_START_US + _pass_us(blocks, HV, sms, PREP_US_PER_CHUNK[1], PREP_CTAS_PER_SM, PREP_US_PER_CHUNK[0])
     combine_waves = -(-len(lens) * HV * COMBINE_CTAS_PER_PAIR // sms)
     best = None
@@ -339,11 +348,11 @@ def _two_kernel_plan(lens: tuple[int, ...], HV: int, sms: int, segments: int | N
                 maps = [min(seg, c - seg * s) for c in chunks for s in range(min(P - 1, -(-c // seg)))]
                 t = (_pass_us(maps, HV * 2, sms, MAPS_US_PER_CHUNK, fixed=MAPS_WAVE_US)
                      + COMBINE_US[0] + COMBINE_US[1] * (P - 2) * combine_waves + _pass2_us(parts, HV, sms, bv, False))
-            plan = TwoKernelPlan(P, seg, bv, prep_units, prep + t)
+            plan = TwoKernelPlan(P, seg, bv, prep_units, prep + t, pc)
             if best is None or plan.us < best.us:
                 best = plan
     if best is None:  # forced segments beyond the chunks: P segments of one chunk, the last taking the rest
-        best = TwoKernelPlan(segments, 1, block_v or 64, prep_units, math.inf)
+        best = TwoKernelPlan(segments, 1, block_v or 64, prep_units, math.inf, pc)
     return best
 
 
@@ -380,7 +389,7 @@ def run_two_kernel(launch, N: int, HV: int, slots: int, device, plan: TwoKernelP
     records (64.5 KB per chunk and value head) and the segment states (64 KB per (sequence, value head) and segment,
     2 P - 3 of them)."""
     rec = torch.empty(HV, slots, REC_BYTES, dtype=torch.uint8, device=device)
-    launch(pass_kind=1, rec=rec, chunks_per_cta=PREP_CHUNKS, units=plan.prep_units, maps=False, seg_H=None,
+    launch(pass_kind=1, rec=rec, chunks_per_cta=plan.prep_chunks, units=plan.prep_units, maps=False, seg_H=None,
            seg_M=None, block_v=64, o=None, ht=None, Aqk=Aqk, Akk=Akk, **(qk_kw or {}))
     P, seg_H = plan.segments, None
     out_kw = out_kw or {}
@@ -496,7 +505,8 @@ def two_kernel_choice(lens: list[int], HV: int, sms: int, wide: bool = False) ->
     forced = _TUNING["two_kernel"]
     if forced is False or not _TUNING["wgmma"] or (forced is None and not TWO_KERNEL_VERIFIED and not wide):
         return None
-    plan = two_kernel_plan(lens, HV, sms, _TUNING["segments"], _TUNING["block_v"], _TUNING["state_rs"])
+    plan = two_kernel_plan(lens, HV, sms, _TUNING["segments"], _TUNING["block_v"], _TUNING["state_rs"],
+                           _TUNING["prep_chunks"])
     if forced is None and not wide and plan.us >= predicted_us(lens, HV, sms)[0]:
         return None
     return plan
