@@ -26,6 +26,8 @@
 #            (test_kda_prefill.py) first, then the backward's intra and gate kernels in both forms
 #            (tests/gpu/test_kda_bwd.py: ~4 min on a fresh machine)
 #   gateforms python -m benchmarks.kda_gate_forms (GF_ARGS): FLA and fla_cula per gate form, fwd and train
+#   bench   python -m benchmarks.$BENCH (kda_variants unless set) with BENCH_ARGS (split on spaces: write JSON without
+#           them), in this tree, after FLA's autotune cache is restored
 #   flatests FLA's test_kda.py chunk cases through the plugin (carry .flatests; xdist when present: on a cold Triton
 #            cache each new shape autotunes FLA for ~2 min, so one process runs ~3 cases in 6 min; docs/measuring.md)
 #   abbuild  a copy of this tree with the patch AB_PATCH applied, built, in /tmp/ab_new
@@ -171,6 +173,8 @@ for j in "$@"; do
         tests/gpu/test_kda_bwd.py -q -rfE -p no:cacheprovider $XDIST -k 'intra or gate or rejects' && exit \$rp" ;;
     gateforms)
       TAIL=${TAIL:-20} job gateforms "${T_GF:-300}" python -m benchmarks.kda_gate_forms ${GF_ARGS:-} ;;
+    bench)
+      TAIL=${TAIL:-30} job bench "${T_BENCH:-300}" python -m benchmarks.${BENCH:-kda_variants} ${BENCH_ARGS:-} ;;
     flatests)
       job flatests "${T_FLATESTS:-500}" env FLA_CULA=1 FLA_CULA_FORCE=1 timeout -s INT $(( ${T_FLATESTS:-500} - 20 )) \
         python -m pytest -p fla_cula.testing.plugin -p no:cacheprovider -q -rfE $XDIST .flatests/tests/ops/test_kda.py \
