@@ -48,8 +48,8 @@ CHUNK = 64
 UNBOUNDED_OFF_REASON = "unbounded gate (softplus / precomputed g): the two-kernel form only (turned off by set_tuning)"
 # The unbounded gates take our kernels (forward, and under grad the backward's unbounded intra and softplus gate steps)
 # while UNBOUNDED_ROUTED (on; a switch to send them to FLA). With half of the 16-token channel blocks wide (spans past
-# kSpanMax: softplus with dt_bias ~ randn) the forward measured 1.6-1.7x FLA and the training step 1.4x (H100, session
-# 43); with FLA's layer init (no wide blocks) 2.5-2.8x and 2.2x (docs/kda_sm90.md).
+# kSpanMax: softplus with dt_bias ~ randn) the forward measured 1.6-1.8x FLA and the training step 1.7x (H100, session
+# 43); with FLA's layer init (no wide blocks) 2.5-2.8x and 2.3x (docs/kda_sm90.md, docs/kda_bwd_sm90.md).
 UNBOUNDED_ROUTED = True
 UNBOUNDED_WAIT_REASON = ("unbounded gate (softplus / precomputed g): turned off (kda_prefill.UNBOUNDED_ROUTED = "
                          "False)")
@@ -310,9 +310,8 @@ def two_kernel_plan(lens: list[int], HV: int, sms: int, segments: int | None = N
                     prep_chunks: int | None = None) -> TwoKernelPlan:
     """The cheapest (segments, block_v) of the two-kernel form for these lengths (pure, memoized per lengths);
     `segments` / `block_v` / `prep_chunks` (chunks per prep CTA; PREP_CHUNKS when None) force them; state_rs: the
-    state passes on kda_state_rs_kernel. Splits are considered only
-    for grids of fewer (sequence, value head) pairs than SMs: a grid that fills the GPU gains nothing from them, and the
-    search stays small on the routing path."""
+    state passes on kda_state_rs_kernel. Splits are considered only for grids of fewer (sequence, value head) pairs
+    than SMs: a grid that fills the GPU gains nothing from them, and the search stays small on the routing path."""
     return _two_kernel_plan(tuple(lens), HV, sms, segments, block_v, state_rs, prep_chunks or PREP_CHUNKS)
 
 
