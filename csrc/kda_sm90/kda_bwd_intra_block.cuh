@@ -311,7 +311,7 @@ __device__ __forceinline__ void intra_wide_fixup(IntraTiles const& tl, int L, in
 #pragma unroll 1
   for (int pass = 0; pass < 4; ++pass) {  // row h = pass / 2, channels 4 (pass % 2) .. + 3 of this thread's 8
     int const h = pass >> 1, j0 = 4 * (pass & 1), t = r0 + g8 + 8 * h;
-    unsigned const on = (wide >> j0) & 15u;  // its wide channels (within kSpanMax: the block's terms are the epilogue's)
+    unsigned const on = (wide >> j0) & 15u;  // its wide channels (the others: the epilogue has their terms)
     if (t >= L || !on) continue;
     float gt[4], wq[4], wk[4], wt[4];
 #pragma unroll
