@@ -41,6 +41,12 @@ __device__ __forceinline__ float2 ld_bf16x2(void const* p) {
   return make_float2(bf16_lo(x), bf16_hi(x));
 }
 
+// x[0], x[1] += d (a float2-aligned pair in shared or global memory)
+__device__ __forceinline__ void add_pair(float* x, float2 d) {
+  float2 const y = *reinterpret_cast<float2 const*>(x);
+  *reinterpret_cast<float2*>(x) = make_float2(y.x + d.x, y.y + d.y);
+}
+
 // x = hi + lo for a pair of fp32 values: two packed bf16 pairs (the first value in the low halves)
 struct Bf16x2Split {
   uint32_t hi, lo;

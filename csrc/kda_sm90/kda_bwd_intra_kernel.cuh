@@ -84,13 +84,9 @@ __global__ void __launch_bounds__(kIntraThreads, 1) kda_bwd_intra_kernel(__grid_
   float dbp[2] = {0.f, 0.f};
   if constexpr (kWide) {
     intra_wide_fixup(tl, L, I, c0, lane, dbp, [&](int t, int c, float2 dq, float2 dk, float2 dg) {
-      auto add2 = [&](float* x, float2 d) {
-        float2& y = *reinterpret_cast<float2*>(x + t * kLdK + c);
-        y = make_float2(y.x + d.x, y.y + d.y);
-      };
-      add2(sm.dq, dq);
-      add2(sm.dk, dk);
-      add2(sm.dg, dg);
+      add_pair(sm.dq + t * kLdK + c, dq);
+      add_pair(sm.dk + t * kLdK + c, dk);
+      add_pair(sm.dg + t * kLdK + c, dg);
     });
   }
   intra_epilogue<kWide>(

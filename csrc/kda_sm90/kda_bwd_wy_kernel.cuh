@@ -353,13 +353,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) kda_bwd_wy_kernel(__grid_const
     if constexpr (kWide) {
       intra_wide_fixup(tl, L, I, c128, lane, db2, [&](int t, int col, float2 dq, float2 dk, float2 dg) {
         int64_t const o = row0 + t * row_step + col;
-        auto add2 = [](float* x, float2 d) {
-          float2 const y = *reinterpret_cast<float2 const*>(x);
-          *reinterpret_cast<float2*>(x) = make_float2(y.x + d.x, y.y + d.y);
-        };
-        add2(p.dq + o, dq);
-        add2(p.dk + o, dk);
-        add2(p.dg + o, dg);
+        add_pair(p.dq + o, dq);
+        add_pair(p.dk + o, dk);
+        add_pair(p.dg + o, dg);
       });
     }
     intra_epilogue<kWide>(
