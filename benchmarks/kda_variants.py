@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, (plan, pgraphs, prof, _buffers) in passes.items():
             parts = ", ".join(f"{pn} {triton.testing.do_bench(g.replay, warmup=25, rep=100):.3f}"
                               for pn, g in pgraphs)
-            print(f"      {name}: P={plan.segments} seg {plan.seg_chunks} block_v {plan.block_v}: {parts} ms "
+            print(f"      {name}: P={plan.segments} seg {plan.seg_chunks} block_v {plan.block_v} prep_chunks "
+                  f"{plan.prep_chunks}: {parts} ms "
                   f"(model {plan.us / 1e3:.3f} ms in all)", flush=True)
             for pn, phases in prof.items():
                 print(f"        {pn} cycles per chunk per CTA: " +

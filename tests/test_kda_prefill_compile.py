@@ -1265,13 +1265,12 @@ def test_two_kernel_prep_chunks_emulated_same_bits(emulator, prep_chunks):
 
 def test_set_tuning_prep_chunks():
     """prep_chunks: validated, carried by the plan (prep CTAs per pair = ceil(chunks / prep_chunks)), and None
-    restores PREP_CHUNKS."""
+    restores the plan's choice."""
     from fla_cula.kernels import kda_prefill as kp
     for bad in (0, 17, 2.0, True):
         with pytest.raises(ValueError, match="prep_chunks"):
             kp.set_tuning(prep_chunks=bad)
     lens = [64 * 30]
-    assert kp.two_kernel_plan(lens, 8, 132).prep_chunks == kp.PREP_CHUNKS
     plan = kp.two_kernel_plan(lens, 8, 132, prep_chunks=2)
     assert (plan.prep_chunks, plan.prep_units) == (2, 15)
     try:
@@ -1279,7 +1278,25 @@ def test_set_tuning_prep_chunks():
         assert kp.two_kernel_choice(lens, 8, 132).prep_units == 4
     finally:
         kp.set_tuning()
-    assert kp.two_kernel_choice(lens, 8, 132) is None or kp.two_kernel_choice(lens, 8, 132).prep_chunks == 4
+    assert kp.two_kernel_choice(lens, 8, 132).prep_chunks == kp.two_kernel_plan(lens, 8, 132).prep_chunks
+
+
+def test_prep_chunks_choice():
+    """The plan keeps PREP_CHUNKS where its prep CTAs outnumber the SMs, and takes fewer chunks per CTA only where
+    PREP_CHUNKS leaves SMs idle and the model prices fewer faster; a tie keeps the larger."""
+    from fla_cula.kernels import kda_prefill as kp
+    # B1 T2048 H16: 512 chunk-heads, 128 CTAs of 4 run alone (4 x 9.7 us); 256 CTAs of 2 fill the SMs two each
+    # (2 x 14.8); 512 of 1 take two waves (2 x 14.8): a tie with 2, which keeps 2
+    assert kp.two_kernel_plan([2048], 16, 132, state_rs=True).prep_chunks == 2
+    # B1 T1024 H16: 256 chunk-heads, 1 chunk a CTA fills the SMs two each in one wave
+    assert kp.two_kernel_plan([1024], 16, 132, state_rs=True).prep_chunks == 1
+    # 133 CTAs of 4 on 132 SMs: no SM idle at 4, so no search
+    for lens, HV in (([8192] * 2, 64), ([256] * 64, 32), ([32768], 16), ([64 * 4 * 133], 1)):
+        assert kp.two_kernel_plan(lens, HV, 132, state_rs=True).prep_chunks == kp.PREP_CHUNKS, (lens[:1], HV)
+    # exactly as many CTAs of 4 as SMs: searched (132 CTAs alone vs 264 of 2 in one wave two per SM)
+    assert kp.two_kernel_plan([64 * 4 * 132], 1, 132, state_rs=True).prep_chunks == 2
+    # a forced value wins over the choice
+    assert kp.two_kernel_plan([2048], 16, 132, state_rs=True, prep_chunks=4).prep_chunks == 4
 
 
 @pytest.mark.parametrize("form", ["fused", "two-kernel"])

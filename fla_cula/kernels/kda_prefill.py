@@ -75,7 +75,7 @@ def set_tuning(block_v: int | None = None, wgmma: bool = True, two_kernel: bool 
     """Force the V columns per CTA (64 or 128) for every call (None: chosen per call), pick the instruction of the
     state-side products (wgmma or mma.sync), force or forbid the two-kernel form and its number of segments, pick
     the two-kernel form's state-pass kernel (state_rs: the state in registers) and force its chunks per prep CTA
-    (None: PREP_CHUNKS); no argument: the defaults."""
+    (None: the plan's choice); no argument: the defaults."""
     if block_v not in (None, 64, 128):
         raise ValueError(f"block_v={block_v!r}: expected None, 64 or 128")
     if not isinstance(wgmma, bool):
@@ -246,6 +246,7 @@ def predicted_us(lens: list[int], HV: int, sms: int) -> tuple[float, float]:
 TWO_KERNEL_VERIFIED = True
 REC_BYTES = int(_C.KDA_REC_BYTES)
 PREP_CHUNKS = 4                     # chunks per prep CTA: the next chunk's loads overlap the current one's phases
+PREP_CHUNKS_UNDERFILLED = (2, 1)    # also priced where PREP_CHUNKS leaves SMs idle (fewer CTAs than SMs)
 PREP_CTAS_PER_SM = 2                # PrepStorage: 109 KB of shared memory, 128 registers
 PREP_US_PER_CHUNK = (9.7, 14.8)     # per chunk per CTA, alone / two per SM
 PREP_START_US = 17.0                # once per launch
@@ -309,20 +310,41 @@ def two_kernel_plan(lens: list[int], HV: int, sms: int, segments: int | None = N
                     block_v: int | None = None, state_rs: bool = False,
                     prep_chunks: int | None = None) -> TwoKernelPlan:
     """The cheapest (segments, block_v) of the two-kernel form for these lengths (pure, memoized per lengths);
-    `segments` / `block_v` / `prep_chunks` (chunks per prep CTA; PREP_CHUNKS when None) force them; state_rs: the
-    state passes on kda_state_rs_kernel. Splits are considered only for grids of fewer (sequence, value head) pairs
-    than SMs: a grid that fills the GPU gains nothing from them, and the search stays small on the routing path."""
-    return _two_kernel_plan(tuple(lens), HV, sms, segments, block_v, state_rs, prep_chunks or PREP_CHUNKS)
+    `segments` / `block_v` / `prep_chunks` (chunks per prep CTA) force them; state_rs: the state passes on
+    kda_state_rs_kernel. Splits are considered only for grids of fewer (sequence, value head) pairs than SMs: a grid
+    that fills the GPU gains nothing from them, and the search stays small on the routing path. Chunks per prep CTA:
+    PREP_CHUNKS, or fewer where its CTAs leave SMs idle and the model prices fewer faster (ties keep the larger)."""
+    return _two_kernel_plan(tuple(lens), HV, sms, segments, block_v, state_rs, prep_chunks)
+
+
+def _prep_us(chunks: list[int], HV: int, sms: int, pc: int) -> float:
+    """The prep pass: each sequence's chunks in CTAs of `pc`, two CTAs per SM (alone where no SM gets two)."""
+    blocks = [min(pc, c - pc * u) for c in chunks for u in range(-(-c // pc))]
+    return PREP_START_US + _pass_us(blocks, HV, sms, PREP_US_PER_CHUNK[1], PREP_CTAS_PER_SM, PREP_US_PER_CHUNK[0])
+
+
+def _prep_chunks_choice(chunks: list[int], HV: int, sms: int) -> int:
+    """PREP_CHUNKS, unless its CTAs number no more than the SMs (each runs alone at 4 chunks in series) and fewer
+    chunks per CTA price faster by the model (B1 T2048 H16: 4 -> 2 chunks, prep 51 -> 41 us measured on an H100,
+    session 44). On fuller grids the choice would rest on wave quantization alone, which the model does not price
+    well (no per-CTA start term), so they keep PREP_CHUNKS."""
+    if sum(-(-c // PREP_CHUNKS) for c in chunks) * HV > sms:
+        return PREP_CHUNKS
+    best = PREP_CHUNKS
+    for pc in PREP_CHUNKS_UNDERFILLED:
+        if _prep_us(chunks, HV, sms, pc) < _prep_us(chunks, HV, sms, best):
+            best = pc
+    return best
 
 
 @functools.lru_cache(maxsize=256)
 def _two_kernel_plan(lens: tuple[int, ...], HV: int, sms: int, segments: int | None,
-                     block_v: int | None, state_rs: bool = False, pc: int = PREP_CHUNKS) -> TwoKernelPlan:
+                     block_v: int | None, state_rs: bool = False, pc: int | None = None) -> TwoKernelPlan:
     chunks = [-(-L // CHUNK) for L in lens]
     maxc = max(chunks, default=0)
+    pc = pc or _prep_chunks_choice(chunks, HV, sms)
     prep_units = max(1, -(-maxc // pc))
-    blocks = [min(pc, c - pc * u) for c in chunks for u in range(-(-c // pc))]
-    prep = PREP_START_US + _pass_us(blocks, HV, sms, PREP_US_PER_CHUNK[1], PREP_CTAS_PER_SM, PREP_US_PER_CHUNK[0])
+    prep = _prep_us(chunks, HV, sms, pc)
     combine_waves = -(-len(lens) * HV * COMBINE_CTAS_PER_PAIR // sms)
     best = None
     search = range(1, MAX_SEGMENTS + 1) if len(lens) * HV < sms else (1,)
