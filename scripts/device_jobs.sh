@@ -4,7 +4,8 @@
 #
 #   source .gpu/b/env.sh   (first working call; later calls: source /opt/gpu-env.sh)
 #   FLA_CULA_COMMIT=<hash> bash scripts/device_jobs.sh "$OUT" build conv model
-#   (peers need carry .gpu/c [.gpu/fk]:  FLA_CULA_COMMIT=<hash> bash scripts/device_jobs.sh "$OUT" peers)
+#   (peers need carry .gpu/c [.gpu/fk], staged by scripts/stage_peers.sh [scripts/build_flashkda.sh]:
+#    FLA_CULA_COMMIT=<hash> bash scripts/device_jobs.sh "$OUT" peers)
 #
 # jobs:
 #   build   the C++ extension in place (a cut build's leftovers are removed)

@@ -9,7 +9,8 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
-spec=$(python3 -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['peers'][0])")
+spec=$(python3 -c "import tomllib
+print(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['peers'][0])")
 rm -rf .gpu/c && mkdir -p .gpu/c
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
@@ -18,7 +19,10 @@ cat > .gpu/c/peers.sh <<'EOF'
 # device machine, after /opt/gpu-env.sh (or .gpu/b/env.sh): the peers into /opt/peer-site, first on PYTHONPATH
 _pc=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /opt/peer-site "$_pc"/*.whl
-case ":${PYTHONPATH:-}:" in *:/opt/peer-site:*) ;; *) export PYTHONPATH="/opt/peer-site${PYTHONPATH:+:$PYTHONPATH}" ;; esac
+case ":${PYTHONPATH:-}:" in
+  *:/opt/peer-site:*) ;;
+  *) export PYTHONPATH="/opt/peer-site${PYTHONPATH:+:$PYTHONPATH}" ;;
+esac
 unset _pc
 EOF
 ls -la .gpu/c
