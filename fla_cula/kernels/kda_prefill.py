@@ -330,11 +330,7 @@ def _prep_chunks_choice(chunks: list[int], HV: int, sms: int) -> int:
     well (no per-CTA start term), so they keep PREP_CHUNKS."""
     if sum(-(-c // PREP_CHUNKS) for c in chunks) * HV > sms:
         return PREP_CHUNKS
-    best = PREP_CHUNKS
-    for pc in PREP_CHUNKS_UNDERFILLED:
-        if _prep_us(chunks, HV, sms, pc) < _prep_us(chunks, HV, sms, best):
-            best = pc
-    return best
+    return min((PREP_CHUNKS, *PREP_CHUNKS_UNDERFILLED), key=lambda pc: _prep_us(chunks, HV, sms, pc))  # first wins ties
 
 
 @functools.lru_cache(maxsize=256)
