@@ -3,7 +3,7 @@
     python -m benchmarks.kda_variants                      # the default rows, random gates
     python -m benchmarks.kda_variants --rows '[[1, 8192, 8]]' --regime slow
     python -m benchmarks.kda_variants --variants '{"fused": {}, "P4": {"two_kernel": true, "segments": 4}}'
-    python -m benchmarks.kda_variants --variants '{"pc4": {"two_kernel": true}, "pc2": {"prep_chunks": 2}}'
+    python -m benchmarks.kda_variants --variants '{"pc":{"two_kernel":true},"pc4":{"two_kernel":true,"prep_chunks":4}}'
 
 Each row: one shape (K = V = 128, bf16, FLA's layer flags: l2norm, the bounded gate with A_log / dt_bias, beta
 sigmoid, h0 and the final state, the peers benchmark's inputs). FLA and every variant of ``--variants`` (name ->
