@@ -265,7 +265,8 @@ RS_CHAIN_US = {"pass2": 2.4, "pass2_64": 1.6, "maps": 1.6}      # pass2_64: one 
 RS_BYTES = {"pass2": 98e3, "pass2_64": 49e3, "maps": 45e3}        # pass2_64: a pair's two CTAs share the record
 RS_DRAM_BYTES_PER_US = 4.0e6
 RS_WAVE_US = 13.0
-COMBINE_US = (7.5, 2.5)             # the combine kernel: fixed, and per serial segment step and wave of SMs
+COMBINE_US = (5.5, 2.5)             # the combine kernel: fixed, and per serial segment step and wave of SMs (the
+                                    # fixed part refitted to the quartered sums, session 45, H100: 20-23 us at 6-7)
 COMBINE_CTAS_PER_PAIR = 16          # kda_combine_kernel: 8 of the 128 columns per CTA
 MAX_SEGMENTS = 16
 
