@@ -29,8 +29,9 @@
 #   gateforms python -m benchmarks.kda_gate_forms (GF_ARGS): FLA and fla_cula per gate form, fwd and train
 #   bench   python -m benchmarks.$BENCH (kda_variants unless set) with BENCH_ARGS (split on spaces: write JSON without
 #           them), in this tree, after FLA's autotune cache is restored
-#   flatests FLA's test_kda.py chunk cases through the plugin (carry .flatests; xdist when present: on a cold Triton
-#            cache each new shape autotunes FLA for ~2 min, so one process runs ~3 cases in 6 min; docs/measuring.md)
+#   flatests FLA's test_kda.py chunk cases through the plugin (carry .flatests, staged by scripts/stage_flatests.sh;
+#            xdist when present: on a cold Triton cache each new shape autotunes FLA for ~2 min, so one process runs
+#            ~3 cases in 6 min; docs/measuring.md)
 #   abbuild  a copy of this tree with the patch AB_PATCH applied, built, in /tmp/ab_new
 #   builds   build and abbuild side by side (one job)
 #   abkda    the kda job's tests on /tmp/ab_new (KDA_ARGS for both: shell-parsed pytest arguments)
