@@ -8,8 +8,8 @@
 // 4 (u % 2) .. + 3, 16 independent fp32 FMA chains fed by 8 16-byte shared loads per 4 terms; the four partial
 // blocks meet in shared memory and thread t adds ((P0 + P1) + P2) + P3 + H for row t / 2, columns 4 (t % 2) .. + 3.
 // The maps do not depend on the chain, so M_s is copied to shared memory (cp.async, two buffers) while step s runs on
-// M_{s-1}; the 16 CTAs of a pair each copy the whole 64 KB map, and that copy now bounds a step (docs/kda_sm90.md,
-// session 45). Plain CUDA cores: 131K FMA per CTA and boundary.
+// M_{s-1}; the 16 CTAs of a pair each copy the whole 64 KB map, and that copy bounds a step (profiled in
+// docs/kda_sm90.md). Plain CUDA cores: 131K FMA per CTA and boundary.
 #pragma once
 
 #include <cstdint>
