@@ -856,13 +856,17 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
   // rows of chunk c (128 channels, 16-byte copies) from src (token stride ld) to dst, and to dst2 from src2 when given
   auto issue_rows = [&](int c, bf16 (&dst)[kC][kLdK], bf16 const* src, bf16 (*dst2)[kLdK], bf16 const* src2,
                         int64_t ld) {
-    int64_t const t0 = bos + int64_t(c) * kC;
-    int const rw = chunk_rows(c);
-    for (int idx = tid; idx < kC * (kK / 8); idx += kThreads) {
-      int const i = idx >> 4, c8 = (idx & 15) * 8;
-      int64_t const off = i < rw ? (t0 + i) * ld + c8 : 0;
-      cp_async16(&dst[i][c8], src + off, i < rw);
-      if (dst2 != nullptr) cp_async16(&dst2[i][c8], src2 + off, i < rw);
+    // a thread's pieces: rows i0 + 16 u (u < 4) at columns c8; one row offset, stepped by 16 rows. The loop stays
+    // rolled so that its copies spread between the neighbouring work (unrolled, they issue back to back)
+    static_assert(kC * (kK / 8) == 4 * kThreads && kK / 8 == 16, "four 16-byte pieces per thread");
+    int const rw = chunk_rows(c), i0 = tid >> 4, c8 = (tid & 15) * 8;
+    int64_t off = (bos + int64_t(c) * kC + i0) * ld + c8;
+    int64_t const step = int64_t(kThreads / 16) * ld;
+#pragma unroll 1
+    for (int i = i0; i < kC; i += kThreads / 16, off += step) {
+      bool const in = i < rw;
+      cp_async16(&dst[i][c8], src + (in ? off : 0), in);
+      if (dst2 != nullptr) cp_async16(&dst2[i][c8], src2 + (in ? off : 0), in);
     }
   };
   auto issue_qk = [&](int c) {
