@@ -92,14 +92,20 @@ PYBIND11_MODULE(_C, m) {
           d["state_rs"] = s.state_rs;
           d["maps"] = s.maps;
           d["qk_hat"] = s.qk_hat;
-          // mangled kda_fwd_kernel<GateForm::SigmoidLB, profile, block_v, wgmma, qk_hat>, kda_prep_kernel<GateForm::
-          // SigmoidLB, profile, qk_hat>, kda_state_kernel<block_v, profile>, kda_state_rs_kernel<maps, block_v>
+          // mangled kda_fwd_kernel<GateForm::SigmoidLB, profile, block_v, wgmma, qk_hat>, kda_prep_kernel<gate,
+          // profile, qk_hat>, kda_state_kernel<block_v, profile>, kda_state_rs_kernel<maps, block_v>,
+          // kda_roles_kernel<gate, qk_hat> (GateForm: 0 sigmoid_lb, 1 softplus, 2 precomputed)
+          std::string const gate = s.gate;
+          char const* gate_digit = gate == "softplus" ? "1" : gate == "precomputed" ? "2" : "0";
           if (s.state_rs) {
             d["symbol"] = std::string("kda_state_rs_kernelILb") + (s.maps ? "1" : "0") + "ELi" +
                           std::to_string(s.block_v) + "EE";
-          } else if (s.pass == fla_cula::kKdaPrep) {
-            d["symbol"] = std::string("kda_prep_kernelILNS0_8GateFormE0ELb") + (s.profile ? "1" : "0") + "ELb" +
+          } else if (s.pass == fla_cula::kKdaRoles) {
+            d["symbol"] = std::string("kda_roles_kernelILNS0_8GateFormE") + gate_digit + "ELb" +
                           (s.qk_hat ? "1" : "0") + "EE";
+          } else if (s.pass == fla_cula::kKdaPrep) {
+            d["symbol"] = std::string("kda_prep_kernelILNS0_8GateFormE") + gate_digit + "ELb" +
+                          (s.profile ? "1" : "0") + "ELb" + (s.qk_hat ? "1" : "0") + "EE";
           } else if (s.pass == fla_cula::kKdaState) {
             d["symbol"] = "kda_state_kernelILi" + std::to_string(s.block_v) + "ELb" + (s.profile ? "1" : "0") + "EE";
           } else {

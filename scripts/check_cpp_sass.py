@@ -34,6 +34,8 @@ REQUIRED_SASS: dict[str, list[str]] = {
     # the state passes with the state in registers: RS / MN-major wgmma, cp.async stages; pass 2's O through stmatrix
     r"kda_state_rs_kernel": ["HGMMA", "LDGSTS"],
     r"kda_state_rs_kernel<false,": ["STSM"],
+    # the one-launch form: the prep's and pass 2's bodies (mma.sync and wgmma, cp.async, stmatrix) in one kernel
+    r"kda_roles_kernel": ["HMMA", "HGMMA", "LDGSTS", "STSM"],
     r"kda_combine_kernel": ["LDGSTS"],  # the split's combine: fp32 FMAs on CUDA cores, the maps by cp.async
     # the backward's chunk-local gradients: mma.sync fed by ldmatrix (.trans for the transposed operands), cp.async
     r"kda_bwd_wy_kernel": ["HMMA", "LDSM", "LDGSTS"],

@@ -77,7 +77,7 @@ def test_sass_is_sm90a_only(ext, cuobjdump):
     names = _ext.demangle(list(sass))
     families = ("varlen_schedule_kernel", "kda_fwd_kernel", "kda_prep_kernel", "kda_state_kernel",
                 "kda_state_rs_kernel", "kda_combine_kernel", "kda_bwd_wy_kernel", "kda_bwd_intra_kernel",
-                "kda_bwd_gate_kernel", "kda_bwd_dv_kernel")
+                "kda_bwd_gate_kernel", "kda_bwd_dv_kernel", "kda_roles_kernel")
     assert all(any(f in n for f in families) for n in names.values()), names
     varlen = [s for s, n in names.items() if "varlen_schedule_kernel" in n]
     assert len(varlen) == 2, f"expected the two varlen_schedule specializations, got {list(names.values())}"

@@ -442,8 +442,9 @@ def test_routing_policy_per_call(monkeypatch):
     (measured per-chunk time vs FLA's fitted time) decides; run() ignores the policy."""
     from fla_cula.kernels import kda_prefill
     monkeypatch.setattr(kda_prefill, "ROUTE_GRAD", False)
+    monkeypatch.setitem(kda_prefill._TUNING, "roles", False)  # (its one launch is priced under FLA's here)
     plan = _plan()
-    long = _plan_args(T=1024)   # B=1 T=1024, 4 value heads: 16 chunks; the two-kernel form's fixed costs exceed FLA's
+    long = _plan_args(T=1024)   # B=1 T=1024, 4 value heads: 16 chunks; the two launches' fixed costs exceed FLA's
     r, go = plan(*long)
     if r is not None and r.startswith(("no CUDA", "tensors on")):
         pytest.skip(r)
@@ -743,10 +744,21 @@ inline void kda_emulated_wgmma_mn(float (&acc)[N / 8][4], __nv_bfloat16 const* A
       }
 }
 
+// the roles kernel's record flags: the emulator runs its prep CTAs first, so pass 2 finding a flag unset is an error
+int g_unset_flags = 0;
+inline void kda_emulated_unset_flag() { ++g_unset_flags; }
+
 #define FLA_CULA_KDA_HOST_EMULATION 1
 #include "kda_sm90/kda_fwd_kernel.cuh"
 #include "kda_sm90/kda_combine_kernel.cuh"
 #include "kda_sm90/kda_state_rs_kernel.cuh"
+#include "kda_sm90/kda_roles_kernel.cuh"
+
+extern "C" int emu_unset_flags() {
+  int const n = g_unset_flags;
+  g_unset_flags = 0;
+  return n;
+}
 
 using namespace fla_cula;
 
@@ -781,7 +793,7 @@ extern "C" void emu_run(void const* q, void const* k, void const* v, void const*
                         int bsig, float bscale, void const* cu, int cu64, long long* prof, int block_v, int wgmma,
                         int pass, void* rec, long long rec_slots, int cpc, int units, int maps, float* seg_H,
                         float* seg_M, void* h_inter, void const* chunk_offsets, int NT, int state_rs, void* q_hat,
-                        void* k_hat, float* q_rstd, float* k_rstd, int seg_lo, int seg_hi, int gate) {
+                        void* k_hat, float* q_rstd, float* k_rstd, int seg_lo, int seg_hi, int gate, int* rec_ready) {
   KdaFwdParams p{};
   p.gate = gate;
   p.q = q; p.k = k; p.qk_tok_stride = int64_t(H) * 128; p.qk_head_stride = 128;
@@ -806,24 +818,42 @@ extern "C" void emu_run(void const* q, void const* k, void const* v, void const*
   p.h_inter = h_inter; p.chunk_offsets = chunk_offsets; p.chunk_offsets_int64 = true; p.NT = NT;
   p.state_rs = state_rs;
   p.q_hat = q_hat; p.k_hat = k_hat; p.q_rstd = q_rstd; p.k_rstd = k_rstd;
-  int ctas = pass == kKdaPrep ? N * HV * units : N * HV * (128 / block_v) * (pass == kKdaState ? units : 1);
+  p.rec_ready = rec_ready;
+  // pass 3 (the roles kernel): its prep CTAs R .. first, then pass 2's 0 .. R - 1, which then find every flag set
+  kda_sm90::KdaRolesParams const roles = kda_sm90::roles_params(p);
+  int const R = 2 * N * HV;
+  int ctas = pass == kKdaPrep ? N * HV * units
+             : pass == kKdaRoles ? R + N * HV * units
+                                 : N * HV * (128 / block_v) * (pass == kKdaState ? units : 1);
   int const nthreads = pass == kKdaState && state_rs && block_v == 64 ? 128 : 256;  // kda_state_rs_kernel<., 64>
-  std::barrier<> bar(nthreads);
-  g_bar = &bar;
   std::vector<std::barrier<>*> wb;
   for (int w = 0; w < 8; ++w) g_wbar[w] = new std::barrier<>(32);
   for (int w = 0; w < 2; ++w) g_wgbar[w] = new std::barrier<>(128);
-  for (int b = 0; b < ctas; ++b) {
+  for (int i = 0; i < ctas; ++i) {
+    int const b = pass != kKdaRoles ? i : i < ctas - R ? R + i : i - (ctas - R);
+    int const nt = pass == kKdaRoles && b < R ? 128 : nthreads;  // (a roles pass-2 CTA's second warpgroup exits)
+    std::barrier<> bar(nt);
+    g_bar = &bar;
     blockIdx.x = b;
     std::memset(smem_raw, 0xff, sizeof(smem_raw));  // poison: NaN-ish bf16/fp32 patterns
     std::vector<std::thread> th;
-    for (int t = 0; t < nthreads; ++t)
-      th.emplace_back([&p, t, block_v, wgmma, pass] {
+    for (int t = 0; t < nt; ++t)
+      th.emplace_back([&p, &roles, t, block_v, wgmma, pass] {
         threadIdx.x = t;
         constexpr auto kG = kda_sm90::GateForm::SigmoidLB;
-        bool const qk = p.q_hat != nullptr;  // the grad-extras instantiations, as kda_fwd.cu picks them
+        bool const qk = p.q_hat != nullptr;  // the grad-extras instantiations, as kda_roles.cu / kda_fwd.cu pick them
         using kda_sm90::GateForm;
-        if (pass == kKdaPrep && p.gate == 1) {
+        if (pass == kKdaRoles) {
+          if (p.gate == 1) {
+            qk ? kda_sm90::kda_roles_kernel<GateForm::Softplus, true>(roles)
+               : kda_sm90::kda_roles_kernel<GateForm::Softplus>(roles);
+          } else if (p.gate == 2) {
+            qk ? kda_sm90::kda_roles_kernel<GateForm::Precomputed, true>(roles)
+               : kda_sm90::kda_roles_kernel<GateForm::Precomputed>(roles);
+          } else {
+            qk ? kda_sm90::kda_roles_kernel<kG, true>(roles) : kda_sm90::kda_roles_kernel<kG>(roles);
+          }
+        } else if (pass == kKdaPrep && p.gate == 1) {
           qk ? kda_sm90::kda_prep_kernel<GateForm::Softplus, false, true>(p)
              : kda_sm90::kda_prep_kernel<GateForm::Softplus>(p);
         } else if (pass == kKdaPrep && p.gate == 2) {
@@ -895,7 +925,7 @@ def _ptr(x):
 def _emu_call(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, o, ht, Aqk, Akk, prof, *, scale, lb, l2, bsig, neg, svf,
               block_v, wgmma, pass_=0, rec=None, cpc=0, units=1, maps=False, seg_H=None, seg_M=None, h_inter=None,
               chunk_offsets=None, state_rs=False, q_hat=None, k_hat=None, q_rstd=None, k_rstd=None, seg_lo=0,
-              seg_hi=0, gate=0):
+              seg_hi=0, gate=0, rec_ready=None):
     import ctypes
     ptr = _ptr
     B, T, H, _ = q.shape
@@ -907,7 +937,8 @@ def _emu_call(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, o, ht, Aqk, Akk, pr
                 ptr(cu), int(cu is not None and cu.dtype == torch.int64), ptr(prof), block_v, int(wgmma), pass_,
                 ptr(rec), ctypes.c_longlong(0 if rec is None else rec.shape[1]), cpc, units, int(maps), ptr(seg_H),
                 ptr(seg_M), ptr(h_inter), ptr(chunk_offsets), 0 if h_inter is None else h_inter.shape[1],
-                int(state_rs), ptr(q_hat), ptr(k_hat), ptr(q_rstd), ptr(k_rstd), seg_lo, seg_hi, gate)
+                int(state_rs), ptr(q_hat), ptr(k_hat), ptr(q_rstd), ptr(k_rstd), seg_lo, seg_hi, gate,
+                ptr(rec_ready))
 
 
 def _emulate(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bsig, neg, svf, block_v, wgmma=False,
@@ -1068,7 +1099,8 @@ def _h_buffers(q, cu, HV):
 
 
 def _emulate_two_kernel(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale, lb, l2, bsig, neg, svf, block_v,
-                        segments, seg_chunks=None, out_kw=None, state_rs=False, qk_kw=None, gate=0, prep_chunks=None):
+                        segments, seg_chunks=None, out_kw=None, state_rs=False, qk_kw=None, gate=0, prep_chunks=None,
+                        roles=False):
     """fla_cula's two-kernel orchestration (kda_prefill.run_two_kernel: prep, maps, combine, pass 2) with every
     pass emulated; records poisoned (0xff) and segment states NaN before the pass that writes them."""
     import dataclasses
@@ -1078,7 +1110,9 @@ def _emulate_two_kernel(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale,
     HV = v.shape[2]
     N = B if cu is None else cu.shape[0] - 1
     lens = [T] * B if cu is None else (cu[1:] - cu[:-1]).tolist()
-    plan = kp.two_kernel_plan(lens, HV, 132, segments=segments, block_v=block_v, prep_chunks=prep_chunks)
+    plan = kp.two_kernel_plan(lens, HV, 132, segments=segments, block_v=block_v, prep_chunks=prep_chunks,
+                              state_rs=roles, roles=roles or None)
+    assert plan.roles == roles
     if seg_chunks is not None:
         plan = dataclasses.replace(plan, seg_chunks=seg_chunks)
     o = torch.full((B, T, HV, 128), float("nan"), dtype=torch.bfloat16)
@@ -1089,7 +1123,7 @@ def _emulate_two_kernel(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale,
     poisoned = set()
 
     def launch(*, pass_kind, rec, chunks_per_cta, units, maps, seg_H, seg_M, block_v, o, ht, Aqk, Akk, **kw):
-        if pass_kind == 1:
+        if pass_kind in (1, 3):
             rec.fill_(0xff)
         for t in (seg_H, seg_M):  # NaN before the first pass that sees them (pass 2 of segment 0 may precede maps)
             if t is not None and t.data_ptr() not in poisoned:
@@ -1098,10 +1132,11 @@ def _emulate_two_kernel(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, *, scale,
         _emu_call(lib, q, k, v, g, beta, A_log, dt_bias, h0, cu, o, ht, Aqk, Akk, None, scale=scale, lb=lb, l2=l2,
                   bsig=bsig, neg=neg, svf=svf, block_v=block_v, wgmma=True, pass_=pass_kind, rec=rec,
                   cpc=chunks_per_cta, units=units, maps=maps, seg_H=seg_H, seg_M=seg_M,
-                  gate=gate if pass_kind == 1 else 0, **kw)
+                  gate=gate if pass_kind in (1, 3) else 0, **kw)
 
     kp.run_two_kernel(launch, N, HV, kp.record_slots(B, T, N), "cpu", plan, o, ht, Aqk, Akk, out_kw,
-                      functools.partial(_emu_combine, lib), state_rs=state_rs, qk_kw=qk_kw)
+                      functools.partial(_emu_combine, lib), state_rs=state_rs or roles, qk_kw=qk_kw)
+    assert lib.emu_unset_flags() == 0, "pass 2 read a record before its flag was set"
     return o, ht, Aqk, Akk
 
 
@@ -1244,6 +1279,35 @@ def test_two_kernel_emulated_same_bits_as_fused(emulator, case, block_v):
         assert not b.isnan().any() and torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("case, prep_chunks, gate", [
+    ("fixed-tail-svf", 1, 0),     # one chunk (a tail), V-first states
+    ("varlen-gva-empty", 2, 0),   # an empty sequence, two and one chunks, GVA, no A_log
+    ("varlen-prep3", 3, 0),       # a prep CTA of a partial block at a sequence's end
+    ("varlen-prep3", 1, 1),       # the softplus gate
+])
+def test_roles_emulated_same_bits(emulator, case, prep_chunks, gate):
+    """The one-launch form (kda_roles_kernel: prep CTAs and pass-2 CTAs of 64 columns by CTA index, pass 2 reading
+    a record only once its flag is set) against the two launches (prep, then kda_state_rs_kernel<64> over whole
+    sequences) on the same inputs, both emulated with the prep CTAs first: same records, same products, so o, the
+    final state, Aqk and Akk are bit-identical (NaN-poisoned); a role decoded from the wrong CTA index, a flag index
+    off by a slot (pass 2 would find it unset: the harness counts those) or a record read early is not."""
+    _ext_or_skip()
+    if case == "varlen-prep3":
+        q, k, v, g, beta, A_log, dt_bias, _ = _inputs(1, 390, 1, 2, "slow", seed=5)
+        cu = torch.tensor([0, 0, 320, 390], dtype=torch.int64)
+        h0 = torch.randn(3, 2, 128, 128, generator=torch.Generator().manual_seed(6)) * 0.5
+        args = (q, k, v, g, beta.float(), None if gate else A_log, dt_bias, h0, cu)
+        kw = dict(scale=0.1, lb=-2.0, l2=True, bsig=True, neg=False, svf=False)
+    else:
+        args, kw = _emulator_case(case)
+    ref = _emulate_two_kernel(emulator, *args, block_v=64, segments=1, state_rs=True, prep_chunks=prep_chunks,
+                              gate=gate, **kw)
+    got = _emulate_two_kernel(emulator, *args, block_v=64, segments=1, prep_chunks=prep_chunks, gate=gate,
+                              roles=True, **kw)
+    for name, a, b in zip(("o", "ht", "Aqk", "Akk"), ref, got, strict=True):
+        assert not b.isnan().any() and torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("prep_chunks", [1, 3])
 def test_two_kernel_prep_chunks_emulated_same_bits(emulator, prep_chunks):
     """The prep is chunk-parallel: any number of chunks per prep CTA (set_tuning(prep_chunks=...); here 1, and 3,
@@ -1283,20 +1347,48 @@ def test_set_tuning_prep_chunks():
 
 def test_prep_chunks_choice():
     """The plan keeps PREP_CHUNKS where its prep CTAs outnumber the SMs, and takes fewer chunks per CTA only where
-    PREP_CHUNKS leaves SMs idle and the model prices fewer faster; a tie keeps the larger."""
+    PREP_CHUNKS leaves SMs idle and the model prices fewer faster; a tie keeps the larger (the two launches: the one
+    launch is test_roles_plan's)."""
     from fla_cula.kernels import kda_prefill as kp
     # B1 T2048 H16: 512 chunk-heads, 128 CTAs of 4 run alone (4 x 9.7 us); 256 CTAs of 2 fill the SMs two each
     # (2 x 14.8); 512 of 1 take two waves (2 x 14.8): a tie with 2, which keeps 2
-    assert kp.two_kernel_plan([2048], 16, 132, state_rs=True).prep_chunks == 2
+    assert kp.two_kernel_plan([2048], 16, 132, state_rs=True, roles=False).prep_chunks == 2
     # B1 T1024 H16: 256 chunk-heads, 1 chunk a CTA fills the SMs two each in one wave
-    assert kp.two_kernel_plan([1024], 16, 132, state_rs=True).prep_chunks == 1
+    assert kp.two_kernel_plan([1024], 16, 132, state_rs=True, roles=False).prep_chunks == 1
     # 133 CTAs of 4 on 132 SMs: no SM idle at 4, so no search
     for lens, HV in (([8192] * 2, 64), ([256] * 64, 32), ([32768], 16), ([64 * 4 * 133], 1)):
-        assert kp.two_kernel_plan(lens, HV, 132, state_rs=True).prep_chunks == kp.PREP_CHUNKS, (lens[:1], HV)
+        plan = kp.two_kernel_plan(lens, HV, 132, state_rs=True, roles=False)
+        assert plan.prep_chunks == kp.PREP_CHUNKS, (lens[:1], HV)
     # exactly as many CTAs of 4 as SMs: searched (132 CTAs alone vs 264 of 2 in one wave two per SM)
-    assert kp.two_kernel_plan([64 * 4 * 132], 1, 132, state_rs=True).prep_chunks == 2
+    assert kp.two_kernel_plan([64 * 4 * 132], 1, 132, state_rs=True, roles=False).prep_chunks == 2
     # a forced value wins over the choice
-    assert kp.two_kernel_plan([2048], 16, 132, state_rs=True, prep_chunks=4).prep_chunks == 4
+    assert kp.two_kernel_plan([2048], 16, 132, state_rs=True, prep_chunks=4, roles=False).prep_chunks == 4
+
+
+def test_roles_plan():
+    """The one-launch form: offered only where its 2 N HV pass-2 CTAs take at most half the SMs, with state_rs, one
+    segment and 64 columns; roles=True takes it there, False never; by default it is taken only where it prices
+    ROLES_MARGIN_US under the two launches (B1 T2048 H16: measured 85 vs 93 us on an H100; not B1 T2048 H8, where the
+    split's 66 us beat its 77); set_tuning validates the knob."""
+    from fla_cula.kernels import kda_prefill as kp
+    assert kp.roles_apply(1, 33, 132) and not kp.roles_apply(1, 34, 132) and not kp.roles_apply(0, 8, 132)
+    assert kp.two_kernel_plan([2048], 16, 132, state_rs=True).roles
+    assert not kp.two_kernel_plan([2048], 8, 132, state_rs=True).roles
+    forced = kp.two_kernel_plan([2048], 8, 132, state_rs=True, roles=True)
+    assert forced.roles and (forced.segments, forced.block_v) == (1, 64)
+    assert forced.prep_units == -(-32 // forced.prep_chunks)
+    assert not kp.two_kernel_plan([2048], 16, 132, state_rs=True, roles=False).roles
+    for kw in (dict(state_rs=False), dict(segments=3), dict(block_v=128)):  # outside its scope: never
+        assert not kp.two_kernel_plan([2048], 16, 132, roles=True, **{"state_rs": True, **kw}).roles, kw
+    assert not kp.two_kernel_plan([2048], 34, 132, state_rs=True, roles=True).roles
+    with pytest.raises(TypeError, match="roles"):
+        kp.set_tuning(roles=1)
+    kp.set_tuning(two_kernel=True, roles=True)
+    try:
+        assert kp.two_kernel_choice([2048], 8, 132).roles
+    finally:
+        kp.set_tuning()
+    assert kp._TUNING["roles"] is None
 
 
 @pytest.mark.parametrize("form", ["fused", "two-kernel"])

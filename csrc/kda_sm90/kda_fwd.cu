@@ -12,13 +12,14 @@
 #include "common/cuda_check.h"
 #include "common/static_switch.h"
 #include "kda_sm90/kda_fwd_kernel.cuh"
+#include "kda_sm90/kda_roles_kernel.cuh"
 #include "kda_sm90/kda_state_rs_kernel.cuh"
 
 namespace fla_cula {
 namespace {
 
-using kda_sm90::kPrepSmemBytes, kda_sm90::kSmemBytes, kda_sm90::kStateRsSmemBytes, kda_sm90::kStateSmemBytes,
-    kda_sm90::kThreads;
+using kda_sm90::kPrepSmemBytes, kda_sm90::kRolesSmemBytes, kda_sm90::kSmemBytes, kda_sm90::kStateRsSmemBytes,
+    kda_sm90::kStateSmemBytes, kda_sm90::kThreads;
 
 // One launch of `kernel` (its dynamic shared memory opted in once per device) on `ctas` CTAs. All of the SM's
 // unified memory as shared memory: the prep kernel's two CTAs per SM need 2 x 110 KB.
@@ -72,12 +73,22 @@ KdaFwdSpecialization const kKdaFwdSpecialization[kKdaFwdSpecializations] = {
     {"softplus", false, kThreads, 0, true, kKdaPrep, kPrepSmemBytes, false, false, true},
     {"precomputed", false, kThreads, 0, true, kKdaPrep, kPrepSmemBytes, false, false, false},
     {"precomputed", false, kThreads, 0, true, kKdaPrep, kPrepSmemBytes, false, false, true},
+    {"sigmoid_lb", false, kThreads, 64, true, kKdaRoles, kRolesSmemBytes, false, false, false},
+    {"sigmoid_lb", false, kThreads, 64, true, kKdaRoles, kRolesSmemBytes, false, false, true},
+    {"softplus", false, kThreads, 64, true, kKdaRoles, kRolesSmemBytes, false, false, false},
+    {"softplus", false, kThreads, 64, true, kKdaRoles, kRolesSmemBytes, false, false, true},
+    {"precomputed", false, kThreads, 64, true, kKdaRoles, kRolesSmemBytes, false, false, false},
+    {"precomputed", false, kThreads, 64, true, kKdaRoles, kRolesSmemBytes, false, false, true},
 };
 
 void run_kda_fwd(KdaFwdParams const& a) {
   FLA_CULA_REQUIRE(a.N >= 0 && a.HV > 0 && a.H > 0 && a.HV % a.H == 0,
                    "kda_fwd: expected N >= 0 and HV a positive multiple of H, got N=" + std::to_string(a.N) +
                        " H=" + std::to_string(a.H) + " HV=" + std::to_string(a.HV));
+  if (a.pass == kKdaRoles) {
+    run_kda_roles(a);
+    return;
+  }
   FLA_CULA_REQUIRE(a.gate >= 0 && a.gate <= 2 && (a.gate == 0 || a.pass == kKdaPrep),
                    "kda_fwd: expected gate 0 (bounded sigmoid), or 1 (softplus) / 2 (precomputed) with the prep pass, "
                    "got gate " + std::to_string(a.gate) + " pass " + std::to_string(a.pass));

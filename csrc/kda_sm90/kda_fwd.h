@@ -86,11 +86,15 @@ struct KdaFwdParams {
   float* seg_M;         // [P-2][N*HV][128][128] fp32, K-major: S_end = M S_start + H
   bool state_rs;        // kState (no h_inter, no phase_cycles; maps at block_v 128): kda_state_rs_kernel, the state
                         // transposed in wgmma registers (kda_state_rs_kernel.cuh), instead of kda_state_kernel
+  int* rec_ready;        // kRoles (the one-launch form): [HV][rec_slots] int32, zero at launch; the prep role sets a
+                        // record's flag once it is stored, pass 2 waits for it before reading the record
   int device;   // CUDA ordinal of every tensor
   void* stream; // cudaStream_t of the caller on that device
 };
 
-enum KdaPass : int { kKdaFused = 0, kKdaPrep = 1, kKdaState = 2 };
+// kKdaRoles: the two-kernel form's prep and pass 2 (whole sequences, state_rs, 64 columns) in one launch: the first
+// 2 N * HV CTAs run pass 2, waiting on Params::rec_ready, the rest the prep (kda_roles_kernel.cuh)
+enum KdaPass : int { kKdaFused = 0, kKdaPrep = 1, kKdaState = 2, kKdaRoles = 3 };
 // One record: -(X diag b) in order akkb [64][64], -W [64][128], Qg [64][128] (group A, read by V' and Qg S), then
 // Aqk [64][64], Kd [64][128] (token-major: the state update's MN-major operand) bf16 and gamma [128] fp32 (group B,
 // read by Aqk V' and the state update); every tile in its 128-byte-swizzled wgmma layout (sw128 / sw128k in
@@ -113,23 +117,27 @@ void run_kda_combine(KdaCombineParams const& params);
 // Enqueues the forward on params.stream; never synchronizes. std::invalid_argument for bad sizes,
 // std::runtime_error for CUDA failures.
 void run_kda_fwd(KdaFwdParams const& params);
+// pass kKdaRoles (run_kda_fwd forwards it): kda_roles.cu
+void run_kda_roles(KdaFwdParams const& params);
 
 // The compiled specializations, for fla_cula info / the SASS check: the symbol contains "kda_fwd_kernel"
 // (demangled: kda_fwd_kernel<(GateForm)0, false, 64, true>; profile = true is taken only when phase_cycles is
-// given), "kda_prep_kernel", "kda_state_kernel" or "kda_state_rs_kernel".
+// given), "kda_prep_kernel", "kda_state_kernel", "kda_state_rs_kernel" or "kda_roles_kernel" (pass kKdaRoles, in
+// kda_roles.cu).
 struct KdaFwdSpecialization {
   char const* gate;  // gate form
   bool profile;      // phase_cycles instrumentation compiled in
   int threads;
   int block_v;       // V columns per CTA
   bool wgmma;        // phases 6-8 on wgmma (Params::wgmma)
-  int pass;          // KdaPass: the fused kernel, the prep kernel (block_v 0: no state) or the state kernel
+  int pass;          // KdaPass: the fused kernel, the prep kernel (block_v 0: no state), the state kernel or the
+                     // roles kernel (block_v 64: its pass 2)
   int smem_bytes;    // dynamic shared memory per CTA
   bool state_rs;     // kda_state_rs_kernel (Params::state_rs)
   bool maps;         // kda_state_rs_kernel<true>: the split's maps pass (Params::maps)
   bool qk_hat;       // writes the grad extras q^, k^, rstd (Params::q_hat; the fused and prep kernels, untimed)
 };
-constexpr int kKdaFwdSpecializations = 26;
+constexpr int kKdaFwdSpecializations = 32;
 
 // Phases of a chunk timed by phase_cycles, in order: gate + block scan, scan offsets + anchors + rstd,
 // anchored factors (+ block scalars), Aqk+L,

@@ -139,7 +139,7 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
                  int chunks_per_cta, int units, bool maps, py::handle seg_H_obj, py::handle seg_M_obj,
                  py::handle h_inter_obj, py::handle chunk_offsets_obj, bool state_rs, py::handle q_hat_obj,
                  py::handle k_hat_obj, py::handle q_rstd_obj, py::handle k_rstd_obj, int seg_lo, int seg_hi,
-                 std::string const& gate) {
+                 std::string const& gate, py::handle rec_ready_obj) {
   TensorArg q = tensor_arg(q_obj, "q"), k = tensor_arg(k_obj, "k"), v = tensor_arg(v_obj, "v");
   auto const [B, T, H, HV] = expect_qk_and_heads(q, k, v, {dtype::kBFloat16});
   TensorArg g = tensor_arg(g_obj, "g");
@@ -171,15 +171,17 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
     expect_tensor(h0, {dtype::kFloat32}, state_shape, state_what, &q);
     p.h0 = h0.ptr<float>();
   }
-  if (pass != kKdaFused && pass != kKdaPrep && pass != kKdaState) {
-    throw py::value_error("pass: expected 0 (fused), 1 (prep) or 2 (state), got " + std::to_string(pass));
+  if (pass != kKdaFused && pass != kKdaPrep && pass != kKdaState && pass != kKdaRoles) {
+    throw py::value_error("pass: expected 0 (fused), 1 (prep), 2 (state) or 3 (prep and pass 2 in one launch), got " +
+                          std::to_string(pass));
   }
+  bool const roles = pass == kKdaRoles;
   bool const two_kernel = pass != kKdaFused;
   if (!two_kernel && (!rec_obj.is_none() || maps || !seg_H_obj.is_none() || !seg_M_obj.is_none())) {
     throw py::value_error("rec, maps, seg_H, seg_M: expected none of them with pass 0 (the fused kernel)");
   }
   // o: every pass that writes outputs (the fused kernel, the state kernel's pass 2); the prep and maps passes take None
-  bool const needs_o = pass == kKdaFused || (pass == kKdaState && !maps);
+  bool const needs_o = pass == kKdaFused || pass == kKdaRoles || (pass == kKdaState && !maps);
   if (needs_o == o_obj.is_none()) {
     throw py::value_error(std::string("o: expected ") + (needs_o ? "a tensor" : "None") + " with pass " +
                           std::to_string(pass) + (maps ? " and maps" : ""));
@@ -245,6 +247,10 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
       throw py::value_error("wgmma: expected True with pass " + std::to_string(pass) + " (wgmma tile records)");
     }
     if (units < 1) throw py::value_error("units: expected >= 1, got " + std::to_string(units));
+    if (roles && chunks_per_cta < 1) {
+      throw py::value_error("chunks_per_cta: expected >= 1 (the prep's chunks per CTA) with pass 3, got " +
+                            std::to_string(chunks_per_cta));
+    }
     if (chunks_per_cta < 0 || (chunks_per_cta == 0 && units != 1)) {
       throw py::value_error("chunks_per_cta: expected > 0, or 0 (whole sequences) with units = 1, got " +
                             std::to_string(chunks_per_cta) + " with units = " + std::to_string(units));
@@ -323,10 +329,26 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
     if (maps && block_v != 128) {
       throw py::value_error("block_v: expected 128 with maps (a map is 128 x 128), got " + std::to_string(block_v));
     }
+    if (roles && block_v != 64) {
+      throw py::value_error("block_v: expected 64 with pass 3 (pass 2 at 64 columns per CTA), got " +
+                            std::to_string(block_v));
+    }
+    // record-ready flags: pass 3 only, int32 (HV, rec's slots), zero (the caller's torch.zeros)
+    if (roles == rec_ready_obj.is_none()) {
+      throw py::value_error(std::string("rec_ready: expected ") + (roles ? "an int32 tensor (HV, rec slots)" : "None") +
+                            " with pass " + std::to_string(pass));
+    }
+    if (roles) {
+      TensorArg rr = tensor_arg(rec_ready_obj, "rec_ready");
+      expect_tensor(rr, {dtype::kInt32}, {HV, rec.size(1)}, "(HV, rec slots)", &q, 4);
+      p.rec_ready = rr.ptr<int>();
+    }
+  } else if (!rec_ready_obj.is_none()) {
+    throw py::value_error("rec_ready: expected None with pass 0 (the fused kernel)");
   }
   // return_intermediate_states: the chunk-start states, written by the passes that write o
   if (!h_inter_obj.is_none()) {
-    if (!needs_o) {
+    if (!needs_o || roles) {
       throw py::value_error("h_inter: expected None with pass " + std::to_string(pass) + (maps ? " and maps" : ""));
     }
     TensorArg hi = tensor_arg(h_inter_obj, "h_inter");
@@ -364,6 +386,7 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
   p.chunks_per_cta = chunks_per_cta;
   p.units = units;
   p.maps = maps;
+  if (!phase_cycles_obj.is_none() && roles) throw py::value_error("phase_cycles: expected None with pass 3");
   if (!phase_cycles_obj.is_none()) {
     TensorArg pc = tensor_arg(phase_cycles_obj, "phase_cycles");
     // one row per CTA: fused N * HV * 128 / block_v, prep N * HV * units, state N * HV * 128 / block_v * units
@@ -376,8 +399,8 @@ void kda_fwd_api(py::handle q_obj, py::handle k_obj, py::handle v_obj, py::handl
   if (gate_form < 0) {
     throw py::value_error("gate: expected 'sigmoid_lb', 'softplus' or 'precomputed', got '" + gate + "'");
   }
-  if (gate_form != 0 && (pass != kKdaPrep || !phase_cycles_obj.is_none())) {
-    throw py::value_error("gate '" + gate + "': expected pass_kind 1 (the prep pass) without phase_cycles, got " +
+  if (gate_form != 0 && ((pass != kKdaPrep && pass != kKdaRoles) || !phase_cycles_obj.is_none())) {
+    throw py::value_error("gate '" + gate + "': expected pass_kind 1 or 3 (the prep pass) without phase_cycles, got " +
                           "pass_kind " + std::to_string(pass));
   }
   if (gate_form == 0 && !(lower_bound >= -5.0 && lower_bound < 0.0)) {
@@ -742,6 +765,7 @@ void register_kda_fwd(py::module_& m) {
         py::arg("h_inter") = py::none(), py::arg("chunk_offsets") = py::none(), py::arg("state_rs") = false,
         py::arg("q_hat") = py::none(), py::arg("k_hat") = py::none(), py::arg("q_rstd") = py::none(),
         py::arg("k_rstd") = py::none(), py::arg("seg_lo") = 0, py::arg("seg_hi") = 0, py::arg("gate") = "sigmoid_lb",
+        py::arg("rec_ready") = py::none(),
         "Enqueue the fused KDA prefill forward v1 (csrc/kda_sm90/kda_fwd.h) on the current stream of q's device:\n"
         "bf16 q, k [B,T,H,128], v, raw gate g [B,T,HV,128], raw beta [B,T,HV] (bf16/fp32); gate\n"
         "a = lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) (A_log [HV], dt_bias [HV*128] or None);\n"
@@ -764,6 +788,9 @@ void register_kda_fwd(py::module_& m) {
         "chunks_per_cta 0: whole sequences), segment s > 0 starting from seg_H[s - 1]; maps=True: pass 1 of the\n"
         "split (units = 2 P - 3, block_v 128, o None), writing seg_H [P-1, N, HV, 128, 128] and seg_M [P-2, ...]\n"
         "(K-major, fp32).\n"
+        "pass_kind 3: the prep (chunks_per_cta, units as pass 1) and pass 2 over whole sequences (state_rs, block_v\n"
+        "64) in one launch, pass 2 waiting on rec_ready (int32 [HV, rec slots], zero-filled by the caller) for\n"
+        "each record; 2 N * HV <= SMs / 2. Writes o, final_state and, when given, Aqk/Akk and the q_hat group.\n"
         "seg_lo, seg_hi (state_rs only): pass 2 runs segments [seg_lo, seg_hi) (seg_hi 0: P): [s, P) with s >= 1\n"
         "after the combine, or [0, 1) with P > 1, segment 0's end state then also to seg_H[0]; maps with seg_lo 1\n"
         "(P >= 3) leaves segment 0's end state to that pass (units stays 2 P - 3).\n"

@@ -528,6 +528,37 @@ constexpr int kRecAkkb = 0, kRecWn = kRecAkkb + kC * kC * 2, kRecQg = kRecWn + k
 constexpr int kRecAqk = kRecQg + kC * kK * 2, kRecKd = kRecAqk + kC * kC * 2, kRecGamma = kRecKd + kC * kK * 2;
 static_assert(kRecAqk == kKdaRecGroupA && kRecGamma + kK * 4 == kKdaRecBytes, "record layout");
 
+// Record-ready flags (the roles kernel, Params::rec_ready, one int per record slot, zero at launch): a prep CTA's
+// threads store chunk c's record, meet at a CTA barrier, then thread 0 releases its flag at GPU scope; pass 2's thread
+// 0 acquires it and fences the generic proxy's view against the async proxy before its bulk copy reads the record.
+__device__ __forceinline__ void rec_flag_release(int* f) {
+#ifdef FLA_CULA_KDA_HOST_EMULATION
+  *f = 1;
+#else
+  __threadfence();
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(f), "r"(1) : "memory");
+#endif
+}
+// true once the flag is set (with the proxy fence then issued)
+__device__ __forceinline__ bool rec_flag_acquire(int const* f) {
+#ifdef FLA_CULA_KDA_HOST_EMULATION
+  return *f != 0;
+#else
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(f) : "memory");
+  if (v != 0) asm volatile("fence.proxy.async.global;\n" ::: "memory");
+  return v != 0;
+#endif
+}
+// waits for the flag (the emulator runs every prep CTA first: an unset flag there is an error, not a wait)
+__device__ __forceinline__ void rec_flag_wait(int const* f) {
+#ifdef FLA_CULA_KDA_HOST_EMULATION
+  if (!rec_flag_acquire(f)) kda_emulated_unset_flag();
+#else
+  while (!rec_flag_acquire(f)) __nanosleep(64);
+#endif
+}
+
 // [bos, eos) of sequence n in the flattened token index (clamped: a malformed cu_seqlens never reads outside)
 __device__ __forceinline__ void sequence_bounds(KdaFwdParams const& p, int n, int64_t& bos, int64_t& eos) {
   int64_t const total = int64_t(p.B) * p.T;
@@ -567,7 +598,7 @@ __device__ __forceinline__ void unit_chunks(int cpc, int u, int last_u, int nchu
 // kQkHat: the grad extras q^, k^, rstd are written (Params::q_hat; a separate instantiation, so that the inference
 // kernel's phase 3 keeps its schedule).
 template <GateForm kGate, bool kProfile, int kBV, bool kWgmma, KdaPass kPass, bool kQkHat = false>
-__device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
+__device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p, int const bid) {
   static_assert(kBV == 64 || kBV == 128, "V columns per CTA: 64 or 128");
   static_assert(!kQkHat || kPass != kKdaState, "q^, k^ come from the prep or the fused pass");
   // kWide: an unbounded gate (a channel's span in a block may pass kSpanMax): the prep kernel only
@@ -688,10 +719,10 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
                         pack_bf16(s[nt + 1][2], s[nt + 1][3]));
     }
   };
-  // ---- which CTA: (n, hv[, unit][, vb]); vb fastest (the V blocks of a pair share its prep / records in L2)
+  // ---- which CTA (bid): (n, hv[, unit][, vb]); vb fastest (the V blocks of a pair share its prep / records in L2)
   int vb = 0, hv, n, unit = 0;
   {
-    int x = blockIdx.x;
+    int x = bid;
     if constexpr (kPass != kKdaPrep) {
       vb = x % kVBlocks;
       x /= kVBlocks;
@@ -1717,7 +1748,10 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
         write_record(chunk);  // akkb, -W (staged in Kf's storage) and gamma; Qg, Kd, Aqk went from registers
         if (prefetch) store_vb();  // beta last read in phase 5 (barriers between); loaded before phase 6
         cp_async_wait_all();
-        __syncthreads();
+        __syncthreads();  // every thread's record stores of this chunk precede the release
+        if (p.rec_ready != nullptr && tid == 0) {
+          rec_flag_release(p.rec_ready + int64_t(hv) * p.rec_slots + slot0 + chunk);
+        }
       } else {
         float o_acc[kNO][4];
         phase7(o_acc);
@@ -1740,7 +1774,7 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
     }
   }
   if (prof && tid == 0) {
-    for (int ph = 0; ph < kKdaFwdPhases; ++ph) p.phase_cycles[int64_t(blockIdx.x) * kKdaFwdPhases + ph] = sm.prof[ph];
+    for (int ph = 0; ph < kKdaFwdPhases; ++ph) p.phase_cycles[int64_t(bid) * kKdaFwdPhases + ph] = sm.prof[ph];
   }
 
   // ---- final state: ht (fused; kState's last segment), or the maps pass's seg_H / seg_M (K-major)
@@ -1776,14 +1810,14 @@ __device__ __forceinline__ void kda_fwd_body(KdaFwdParams const& p) {
 // The fused forward: one CTA per (sequence, value head, V block) runs every phase of every chunk.
 template <GateForm kGate, bool kProfile, int kBV, bool kWgmma = false, bool kQkHat = false>
 __global__ void __launch_bounds__(kThreads, 1) kda_fwd_kernel(__grid_constant__ KdaFwdParams const p) {
-  kda_fwd_body<kGate, kProfile, kBV, kWgmma, kKdaFused, kQkHat>(p);
+  kda_fwd_body<kGate, kProfile, kBV, kWgmma, kKdaFused, kQkHat>(p, blockIdx.x);
 }
 
 // The two-kernel form, kernel 1: phases 1-6 of chunks_per_cta chunks per CTA (n, hv, chunk block), chunk-parallel;
 // each chunk's operand tiles to its record. PrepStorage: two CTAs per SM (128 registers a thread at most).
 template <GateForm kGate, bool kProfile = false, bool kQkHat = false>
 __global__ void __launch_bounds__(kThreads, 2) kda_prep_kernel(__grid_constant__ KdaFwdParams const p) {
-  kda_fwd_body<kGate, kProfile, 64, true, kKdaPrep, kQkHat>(p);
+  kda_fwd_body<kGate, kProfile, 64, true, kKdaPrep, kQkHat>(p, blockIdx.x);
 }
 
 // Kernel 2: phases 7-8 of a segment (or a whole sequence) per CTA (n, unit, hv, V block) from the records.
@@ -1791,7 +1825,7 @@ __global__ void __launch_bounds__(kThreads, 2) kda_prep_kernel(__grid_constant__
 template <int kBV, bool kProfile = false>
 __global__ void __launch_bounds__(kThreads, kBV == 64 ? 2 : 1)
     kda_state_kernel(__grid_constant__ KdaFwdParams const p) {
-  kda_fwd_body<GateForm::SigmoidLB, kProfile, kBV, true, kKdaState>(p);
+  kda_fwd_body<GateForm::SigmoidLB, kProfile, kBV, true, kKdaState>(p, blockIdx.x);
 }
 
 }  // namespace fla_cula::kda_sm90

@@ -160,6 +160,16 @@ __device__ __forceinline__ void wg_commit_wait() {
 #endif
 }
 
+// the CTA's kNT threads (barrier 0 with a count: the roles kernel's pass-2 CTAs run one warpgroup of its 256 threads)
+template <int kNT>
+__device__ __forceinline__ void rs_cta_barrier() {
+#ifdef FLA_CULA_KDA_HOST_EMULATION
+  __syncthreads();
+#else
+  asm volatile("bar.sync 0, %0;\n" ::"n"(kNT) : "memory");
+#endif
+}
+
 // the 128 threads of warpgroup w (named barrier 1 + w)
 __device__ __forceinline__ void wg_barrier(int w) {
 #ifdef FLA_CULA_KDA_HOST_EMULATION
@@ -189,8 +199,10 @@ __device__ __forceinline__ void to_frag(uint32_t (&a)[KB][4], float const (&acc)
 // next P - 2 units the transition map of segment m + 1 (v = 0 from the identity) to seg_M[m]. Otherwise pass 2 of
 // segments seg_lo + unit: o, ht from the last segment, and with seg_H_out (segment 0 alone, beside the maps pass
 // with seg_lo = 1) segment 0's end state to seg_H[0].
+// bid: the CTA's index in the pass. With Params::rec_ready (the roles kernel) thread 0 copies a record only once its
+// prep CTA has released it: at the chunk before it if it is ready then, else at the top of its own chunk.
 template <bool kMaps, int kBV = 128>
-__global__ void __launch_bounds__(kBV * 2, 1) kda_state_rs_kernel(__grid_constant__ KdaFwdParams const p) {
+__device__ __forceinline__ void kda_state_rs_body(KdaFwdParams const& p, int const bid) {
   static_assert(kBV == 64 || kBV == 128, "64 state columns per warpgroup, one or two warpgroups");
   static_assert(!kMaps || kBV == 128, "a map is 128 x 128");
   constexpr int kWG = kBV / 64, kNT = 128 * kWG;
@@ -201,7 +213,7 @@ __global__ void __launch_bounds__(kBV * 2, 1) kda_state_rs_kernel(__grid_constan
 #endif
   int const tid = threadIdx.x, w = tid >> 7, wi = (tid >> 5) & 3, lane = tid & 31;
   int const g8 = lane >> 2, t4 = lane & 3;
-  int x = blockIdx.x;
+  int x = bid;
   int const vb = x % (128 / kBV);
   x /= 128 / kBV;
   int const hv = x % p.HV;
@@ -228,7 +240,7 @@ __global__ void __launch_bounds__(kBV * 2, 1) kda_state_rs_kernel(__grid_constan
     cutlass::arch::fence_barrier_init();
 #endif
   }
-  __syncthreads();
+  rs_cta_barrier<kNT>();
 
   unsigned char const* const rec0 =
       static_cast<unsigned char const*>(p.rec) + (int64_t(hv) * p.rec_slots + bos / kC + n) * kKdaRecBytes;
@@ -237,13 +249,26 @@ __global__ void __launch_bounds__(kBV * 2, 1) kda_state_rs_kernel(__grid_constan
 
   // chunk c's record (thread 0's bulk copies onto full[s]) and v rows (rows past the sequence zero; one cp.async
   // commit group) into stage s. The maps pass reads neither Qg nor Aqk, and a map neither akkb nor v.
+  int const* const ready = p.rec_ready != nullptr
+                               ? p.rec_ready + int64_t(hv) * p.rec_slots + bos / kC + n : nullptr;  // chunk 0's flag
+  int deferred = -1;  // thread 0: the chunk whose record waits for its flag
+  auto copy_record = [&](int c) {
+    int const s = (c - c_lo) & 1;
+    unsigned char const* const src = rec0 + int64_t(c) * kKdaRecBytes;
+    int const a0 = kMaps ? (mmap ? kRecWn : kRecAkkb) : 0, a1 = kMaps ? kRecQg : kKdaRecBytes;
+    stage_expect(&sm.full[s], a1 - a0 + (kMaps ? kKdaRecBytes - kRecKd : 0));
+    stage_copy(sm.st[s].rec, src, a0, a1, &sm.full[s]);
+    if constexpr (kMaps) stage_copy(sm.st[s].rec, src, kRecKd, kKdaRecBytes, &sm.full[s]);
+  };
   auto issue = [&](int c, int s) {
     if (tid == 0) {
-      unsigned char const* const src = rec0 + int64_t(c) * kKdaRecBytes;
-      int const a0 = kMaps ? (mmap ? kRecWn : kRecAkkb) : 0, a1 = kMaps ? kRecQg : kKdaRecBytes;
-      stage_expect(&sm.full[s], a1 - a0 + (kMaps ? kKdaRecBytes - kRecKd : 0));
-      stage_copy(sm.st[s].rec, src, a0, a1, &sm.full[s]);
-      if constexpr (kMaps) stage_copy(sm.st[s].rec, src, kRecKd, kKdaRecBytes, &sm.full[s]);
+      if (ready == nullptr) {
+        copy_record(c);
+      } else if (rec_flag_acquire(ready + c)) {
+        copy_record(c);
+      } else {
+        deferred = c;
+      }
     }
     int64_t const t0 = bos + int64_t(c) * kC;
     int64_t const left = eos - t0;
@@ -286,10 +311,15 @@ __global__ void __launch_bounds__(kBV * 2, 1) kda_state_rs_kernel(__grid_constan
 
   for (int c = c_lo; c < c_hi; ++c) {
     int const s = (c - c_lo) & 1;
+    if (deferred == c) {  // thread 0 only: chunk c's record was not ready when its stage was filled
+      rec_flag_wait(ready + c);
+      copy_record(c);
+      deferred = -1;
+    }
     stage_wait(&sm.full[s], ((c - c_lo) >> 1) & 1);  // chunk c's record landed (the stage's (c - c_lo) / 2-th use)
     cp_async_wait_group<0>();  // this thread's v copies of chunk c landed ...
     fence_async_shared();      // ... and become visible to wgmma after the barrier,
-    __syncthreads();           // which also ends every read of the other stage (chunk c - 1)
+    rs_cta_barrier<kNT>();     // which also ends every read of the other stage (chunk c - 1)
     if (c + 1 < c_hi) issue(c + 1, s ^ 1);
     unsigned char const* const r = sm.st[s].rec;
     auto tile = [&](int off) { return reinterpret_cast<bf16 const*>(r + off); };
@@ -386,6 +416,11 @@ __global__ void __launch_bounds__(kBV * 2, 1) kda_state_rs_kernel(__grid_constan
   // pass 2 of segment 0 beside the maps pass: its end state is seg_H[0] (also when it is the sequence's last: the
   // combine reads every pair's slot)
   if (!kMaps && p.seg_H_out) store(p.seg_H + pair * kK * 128, 128, 1);
+}
+
+template <bool kMaps, int kBV = 128>
+__global__ void __launch_bounds__(kBV * 2, 1) kda_state_rs_kernel(__grid_constant__ KdaFwdParams const p) {
+  kda_state_rs_body<kMaps, kBV>(p, blockIdx.x);
 }
 
 }  // namespace fla_cula::kda_sm90

@@ -67,15 +67,17 @@ _PARAM_DTYPES = (torch.float32, torch.bfloat16)
 # with it forced on and with it the default; 4-16% faster than kda_state_kernel on every measured row).
 STATE_RS_VERIFIED = True
 _TUNING = {"block_v": None, "wgmma": True, "two_kernel": None, "segments": None, "state_rs": STATE_RS_VERIFIED,
-           "prep_chunks": None}
+           "prep_chunks": None, "roles": None}
 
 
 def set_tuning(block_v: int | None = None, wgmma: bool = True, two_kernel: bool | None = None,
-               segments: int | None = None, state_rs: bool = STATE_RS_VERIFIED, prep_chunks: int | None = None) -> None:
+               segments: int | None = None, state_rs: bool = STATE_RS_VERIFIED, prep_chunks: int | None = None,
+               roles: bool | None = None) -> None:
     """Force the V columns per CTA (64 or 128) for every call (None: chosen per call), pick the instruction of the
     state-side products (wgmma or mma.sync), force or forbid the two-kernel form and its number of segments, pick
-    the two-kernel form's state-pass kernel (state_rs: the state in registers) and force its chunks per prep CTA
-    (None: the plan's choice); no argument: the defaults."""
+    the two-kernel form's state-pass kernel (state_rs: the state in registers), force its chunks per prep CTA
+    (None: the plan's choice) and force or forbid its one-launch form (roles; None: the plan's choice, True: wherever
+    it applies); no argument: the defaults."""
     if block_v not in (None, 64, 128):
         raise ValueError(f"block_v={block_v!r}: expected None, 64 or 128")
     if not isinstance(wgmma, bool):
@@ -89,10 +91,12 @@ def set_tuning(block_v: int | None = None, wgmma: bool = True, two_kernel: bool 
     if prep_chunks is not None and (not isinstance(prep_chunks, int) or isinstance(prep_chunks, bool)
                                     or not 1 <= prep_chunks <= 16):
         raise ValueError(f"prep_chunks={prep_chunks!r}: expected None or an int in [1, 16]")
+    if roles is not None and not isinstance(roles, bool):
+        raise TypeError(f"roles: expected None or a bool, got {roles!r}")
     if two_kernel and not wgmma:
         raise ValueError("two_kernel=True needs wgmma=True (the records are wgmma tile images)")
     _TUNING.update(block_v=block_v, wgmma=wgmma, two_kernel=two_kernel, segments=segments, state_rs=state_rs,
-                   prep_chunks=prep_chunks)
+                   prep_chunks=prep_chunks, roles=roles)
 
 
 @functools.lru_cache(maxsize=16)
@@ -268,6 +272,13 @@ RS_WAVE_US = 13.0
 COMBINE_US = (5.5, 2.5)             # the combine kernel: fixed, and per serial segment step and wave of SMs (the
                                     # fixed part refitted to the quartered sums, session 45, H100: 20-23 us at 6-7)
 COMBINE_CTAS_PER_PAIR = 16          # kda_combine_kernel: 8 of the 128 columns per CTA
+# The one-launch form (kda_roles_kernel; docs/kda_sm90.md "The one-launch form"): the prep alone per SM at 12 us a
+# chunk (fitted to B1 T4096 H16 on an H100, session 46; PREP_US_PER_CHUNK[0]'s 9.7 is scaled, not measured), pass 2
+# at the pass2_64 chain. The two launches' model overstates the small grids by 15-30% (session 46, H100: B1 T1024 H4
+# 65 vs 44 us, B1 T2048 H8 91 vs 66, B1 T2048 H16 111 vs 93) while this one is within -5 / +15%, so the one launch
+# is taken only where it prices ROLES_MARGIN_US under them.
+ROLES_PREP_US_PER_CHUNK = 12.0
+ROLES_MARGIN_US = 15.0
 MAX_SEGMENTS = 16
 
 
@@ -305,23 +316,44 @@ class TwoKernelPlan:
     prep_units: int   # prep CTAs per (sequence, value head), prep_chunks chunks each
     us: float         # predicted microseconds
     prep_chunks: int = PREP_CHUNKS  # chunks per prep CTA
+    roles: bool = False  # the prep and pass 2 (P = 1, block_v 64) in one launch (kda_roles_kernel)
 
 
 def two_kernel_plan(lens: list[int], HV: int, sms: int, segments: int | None = None,
                     block_v: int | None = None, state_rs: bool = False,
-                    prep_chunks: int | None = None) -> TwoKernelPlan:
+                    prep_chunks: int | None = None, roles: bool | None = None) -> TwoKernelPlan:
     """The cheapest (segments, block_v) of the two-kernel form for these lengths (pure, memoized per lengths);
     `segments` / `block_v` / `prep_chunks` (chunks per prep CTA) force them; state_rs: the state passes on
     kda_state_rs_kernel. Splits are considered only for grids of fewer (sequence, value head) pairs than SMs: a grid
     that fills the GPU gains nothing from them, and the search stays small on the routing path. Chunks per prep CTA:
-    PREP_CHUNKS, or fewer where its CTAs leave SMs idle and the model prices fewer faster (ties keep the larger)."""
-    return _two_kernel_plan(tuple(lens), HV, sms, segments, block_v, state_rs, prep_chunks)
+    PREP_CHUNKS, or fewer where its CTAs leave SMs idle and the model prices fewer faster (ties keep the larger).
+    The one-launch form (roles) is priced with state_rs where its pass-2 CTAs take at most half of the SMs
+    (roles_apply) and taken where cheaper; roles True takes it wherever it applies, False never."""
+    return _two_kernel_plan(tuple(lens), HV, sms, segments, block_v, state_rs, prep_chunks, roles)
 
 
 def _prep_us(chunks: list[int], HV: int, sms: int, pc: int) -> float:
     """The prep pass: each sequence's chunks in CTAs of `pc`, two CTAs per SM (alone where no SM gets two)."""
     blocks = [min(pc, c - pc * u) for c in chunks for u in range(-(-c // pc))]
     return PREP_START_US + _pass_us(blocks, HV, sms, PREP_US_PER_CHUNK[1], PREP_CTAS_PER_SM, PREP_US_PER_CHUNK[0])
+
+
+def roles_apply(N: int, HV: int, sms: int) -> bool:
+    """Whether the one-launch form can run N sequences x HV value heads: its 2 N HV pass-2 CTAs (one per SM) wait
+    for prep CTAs on the other SMs, so they may take half of the SMs at most (kda_roles.cu requires it)."""
+    return 0 < 4 * N * HV <= sms
+
+
+def _roles_us(chunks: list[int], HV: int, sms: int, pc: int) -> float:
+    """The one-launch form: the prep alone per SM (ROLES_PREP_US_PER_CHUNK) on the SMs the 2 N HV pass-2 CTAs leave,
+    pass 2 (one warpgroup per SM: the pass2_64 chain) following the records; it ends a chunk after the prep, or a
+    whole chain after the first records landed, whichever is later."""
+    blocks = [min(pc, c - pc * u) for c in chunks for u in range(-(-c // pc))]
+    free = sms - 2 * len(chunks) * HV
+    prep = PREP_START_US + _pass_us(blocks, HV, free, ROLES_PREP_US_PER_CHUNK)
+    chain = RS_CHAIN_US["pass2_64"]
+    first = PREP_START_US + min(pc, max(chunks)) * ROLES_PREP_US_PER_CHUNK
+    return max(prep + pc * chain, first + max(chunks) * chain)
 
 
 def _prep_chunks_choice(chunks: list[int], HV: int, sms: int) -> int:
@@ -336,9 +368,17 @@ def _prep_chunks_choice(chunks: list[int], HV: int, sms: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _two_kernel_plan(lens: tuple[int, ...], HV: int, sms: int, segments: int | None,
-                     block_v: int | None, state_rs: bool = False, pc: int | None = None) -> TwoKernelPlan:
+                     block_v: int | None, state_rs: bool = False, pc: int | None = None,
+                     roles: bool | None = None) -> TwoKernelPlan:
     chunks = [-(-L // CHUNK) for L in lens]
     maxc = max(chunks, default=0)
+    one = None  # the one-launch form: P = 1, pass 2 at 64 columns
+    if (roles is not False and state_rs and segments in (None, 1) and block_v in (None, 64) and maxc
+            and roles_apply(len(lens), HV, sms)):
+        one = min((TwoKernelPlan(1, 0, 64, -(-maxc // c), _roles_us(chunks, HV, sms, c), c, True)
+                   for c in ([pc] if pc else (PREP_CHUNKS, *PREP_CHUNKS_UNDERFILLED))), key=lambda t: t.us)
+        if roles:
+            return one
     pc = pc or _prep_chunks_choice(chunks, HV, sms)
     prep_units = max(1, -(-maxc // pc))
     prep = _prep_us(chunks, HV, sms, pc)
@@ -371,7 +411,7 @@ def _two_kernel_plan(lens: tuple[int, ...], HV: int, sms: int, segments: int | N
                 best = plan
     if best is None:  # forced segments beyond the chunks: P segments of one chunk, the last taking the rest
         best = TwoKernelPlan(segments, 1, block_v or 64, prep_units, math.inf, pc)
-    return best
+    return one if one is not None and one.us + ROLES_MARGIN_US < best.us else best
 
 
 def record_slots(B: int, T: int, N: int) -> int:
@@ -407,10 +447,16 @@ def run_two_kernel(launch, N: int, HV: int, slots: int, device, plan: TwoKernelP
     records (64.5 KB per chunk and value head) and the segment states (64 KB per (sequence, value head) and segment,
     2 P - 3 of them)."""
     rec = torch.empty(HV, slots, REC_BYTES, dtype=torch.uint8, device=device)
+    out_kw = out_kw or {}
+    if plan.roles and state_rs and out_kw.get("h_inter") is None:
+        # one launch: pass 2 (64 columns, whole sequences) waits on each record's flag, zero until the prep stores it
+        ready = torch.zeros(HV, slots, dtype=torch.int32, device=device)
+        launch(pass_kind=3, rec=rec, rec_ready=ready, chunks_per_cta=plan.prep_chunks, units=plan.prep_units,
+               maps=False, seg_H=None, seg_M=None, block_v=64, o=o, ht=ht, Aqk=Aqk, Akk=Akk, **(qk_kw or {}))
+        return
     launch(pass_kind=1, rec=rec, chunks_per_cta=plan.prep_chunks, units=plan.prep_units, maps=False, seg_H=None,
            seg_M=None, block_v=64, o=None, ht=None, Aqk=Aqk, Akk=Akk, **(qk_kw or {}))
     P, seg_H = plan.segments, None
-    out_kw = out_kw or {}
     rs = {"state_rs": True} if state_rs and out_kw.get("h_inter") is None else {}
     state = dict(pass_kind=2, rec=rec, chunks_per_cta=plan.seg_chunks, Aqk=None, Akk=None)
     pass2 = dict(state, units=P, maps=False, seg_M=None, block_v=plan.block_v, o=o, ht=ht)
@@ -524,7 +570,7 @@ def two_kernel_choice(lens: list[int], HV: int, sms: int, wide: bool = False) ->
     if forced is False or not _TUNING["wgmma"] or (forced is None and not TWO_KERNEL_VERIFIED and not wide):
         return None
     plan = two_kernel_plan(lens, HV, sms, _TUNING["segments"], _TUNING["block_v"], _TUNING["state_rs"],
-                           _TUNING["prep_chunks"])
+                           _TUNING["prep_chunks"], _TUNING["roles"])
     if forced is None and not wide and plan.us >= predicted_us(lens, HV, sms)[0]:
         return None
     return plan
@@ -540,7 +586,7 @@ def _launcher(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cfg: 
         A_log = dt_bias = None
 
     def launch(*, o, ht, Aqk, Akk, **kw):
-        if gate != "sigmoid_lb" and kw.get("pass_kind") == 1:
+        if gate != "sigmoid_lb" and kw.get("pass_kind") in (1, 3):  # the passes that read g
             kw["gate"] = gate
         _C.kda_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, o, ht, Aqk, Akk, cfg.scale, lb, l2,
                    bsig, beta_scale, cfg.state_v_first, **kw)

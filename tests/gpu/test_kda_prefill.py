@@ -558,14 +558,43 @@ def test_state_rs(c, bv, segments, strict_mode, fla_fns):
     assert ht1 is None or rel_rms(ht1, ht2) < 1e-3
 
 
-@pytest.mark.parametrize("state_rs", [False, True])
-def test_two_kernel_graph_replay(state_rs, strict_mode):
-    """The split (prep, maps, the combine, pass 2) captured in a CUDA graph replays to the eager bits."""
+# the one-launch form (kda_roles_kernel) against the two launches it merges; cases with 4 N HV <= the SMs it takes
+ROLES_CASES = {"T65-B1-vfirst": FIXED["T65-B1-vfirst"],
+               "GVA-H2-HV8-T1000-B2-vfirst": FIXED["GVA-H2-HV8-T1000-B2-vfirst"],
+               "empty-mid-i64": VARLEN["empty-mid-i64"], "tails-i64-cpu": VARLEN["tails-i64-cpu"],
+               "slow-varlen-H4-lb-5": SLOW["slow-varlen-H4-lb-5"],
+               "T4096-B1-H16": cfg(T=4096, B=1, H=16, HV=16, seed=120)}
+
+
+@pytest.mark.parametrize("c", _params(ROLES_CASES, {"empty-mid-i64", "T4096-B1-H16"}))
+def test_roles(c, strict_mode, fla_fns):
+    """The one-launch form (prep and pass-2 CTAs in one grid, pass 2 waiting on each record's flag) against the
+    prep launch then kda_state_rs_kernel<64> over whole sequences: the same records and products, so o and the final
+    state are bit-identical; a record read before its prep CTA stored it, or a role decoded from the wrong CTA, is
+    not. T4096-B1-H16: 64 chunks a pair, 64 pass-2 CTAs racing the prep."""
+    from fla_cula.kernels import kda_prefill as kp
+    lens = list(c.lens) if c.lens else [c.T] * c.B
+    knobs = dict(two_kernel=True, segments=1, block_v=64)
+    kp.set_tuning(**knobs, roles=True)
+    try:
+        took = kp.two_kernel_choice(lens, c.HV, torch.cuda.get_device_properties(DEV).multi_processor_count)
+    finally:
+        kp.set_tuning()
+    assert took is not None and took.roles, took
+    (o1, ht1, e1), (o2, ht2, e2) = _forward_pair(c, fla_fns, dict(knobs, roles=False), dict(knobs, roles=True))
+    print(f"\n{describe(c)} roles: errors {e1} -> {e2}")
+    assert torch.equal(o1, o2) and (ht1 is None or torch.equal(ht1, ht2))
+
+
+@pytest.mark.parametrize("form", ["split", "roles"])
+def test_two_kernel_graph_replay(form, strict_mode):
+    """The split (prep, maps, the combine, pass 2; state_rs) and the one-launch form (its record flags zeroed by the
+    graph's own memset) captured in a CUDA graph replay to the eager bits."""
     from fla_cula.kernels import kda_prefill
     c = cfg(T=1000, B=1, H=2, HV=4, seed=31)
     x = make_inputs(c)
     try:
-        kda_prefill.set_tuning(two_kernel=True, segments=4, state_rs=state_rs)
+        kda_prefill.set_tuning(two_kernel=True, **(dict(segments=4) if form == "split" else dict(roles=True)))
         with torch.inference_mode():
             o1, ht1 = call(ops_kda.chunk_kda, x, c)
             s = torch.cuda.Stream()
@@ -576,8 +605,9 @@ def test_two_kernel_graph_replay(state_rs, strict_mode):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 o2, ht2 = call(ops_kda.chunk_kda, x, c)
-            o2.fill_(float("nan"))
-            graph.replay()
+            for _ in range(3):  # replays find the flags zero again
+                o2.fill_(float("nan"))
+                graph.replay()
             torch.cuda.synchronize()
     finally:
         kda_prefill.set_tuning()
@@ -602,7 +632,30 @@ def test_two_kernel_abi_errors():
     def err(match, outs, **kw):
         with pytest.raises(ValueError, match=match):
             C.kda_fwd(*base, *outs, *tail, wgmma=True, **kw)
-    err(r"pass: expected 0 \(fused\), 1 \(prep\) or 2 \(state\), got 3", (o, None, None, None), pass_kind=3, rec=rec)
+    err(r"pass: expected 0 \(fused\), 1 \(prep\), 2 \(state\) or 3 \(prep and pass 2 in one launch\), got 4",
+        (o, None, None, None), pass_kind=4, rec=rec)
+    # the one-launch form (pass 3): rec_ready there only, block_v 64, the prep's chunks per CTA, no h_inter
+    ready = torch.zeros(H, rec.shape[1], dtype=torch.int32, device=DEV)
+    err(r"rec_ready: expected an int32 tensor \(HV, rec slots\) with pass 3", (o, None, None, None), pass_kind=3,
+        rec=rec, chunks_per_cta=1, units=4)
+    err(r"rec_ready: expected None with pass 1", (None, None, None, None), pass_kind=1, rec=rec, rec_ready=ready)
+    err(r"rec_ready: expected None with pass 0", (o, None, None, None), pass_kind=0, rec_ready=ready)
+    err(r"block_v: expected 64 with pass 3", (o, None, None, None), pass_kind=3, rec=rec, rec_ready=ready,
+        chunks_per_cta=1, units=4, block_v=128)
+    err(r"chunks_per_cta: expected >= 1 \(the prep's chunks per CTA\) with pass 3, got 0", (o, None, None, None),
+        pass_kind=3, rec=rec, rec_ready=ready, units=1)
+    err(r"rec_ready: expected shape \(HV, rec slots\)", (o, None, None, None), pass_kind=3, rec=rec,
+        rec_ready=ready[:, :2], chunks_per_cta=1, units=4)
+    err(r"o: expected a tensor with pass 3", (None, None, None, None), pass_kind=3, rec=rec, rec_ready=ready,
+        chunks_per_cta=1, units=4)
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    Hb = sms // 4 + 1  # 2 N HV pass-2 CTAs over half the SMs
+    qb, vb = torch.zeros(1, 64, Hb, 128, **bf), torch.zeros(1, 64, Hb, 128, **bf)
+    recb = torch.empty(Hb, kp.record_slots(1, 64, 1), kp.REC_BYTES, dtype=torch.uint8, device=DEV)
+    with pytest.raises(ValueError, match=r"kda_roles: expected 2 N \* HV <= SMs / 2"):
+        C.kda_fwd(qb, qb, vb, vb, torch.zeros(1, 64, Hb, device=DEV), None, None, None, None, torch.empty_like(vb),
+                  None, None, None, *tail, wgmma=True, pass_kind=3, rec=recb, chunks_per_cta=1, units=1,
+                  rec_ready=torch.zeros(Hb, recb.shape[1], dtype=torch.int32, device=DEV))
     err(r"o: expected None with pass 1", (o, None, None, None), pass_kind=1, rec=rec)
     err(r"rec: expected shape \(HV, >= B \* T / 64 \+ N, 66048\) = \(2, >= 4, 66048\), got \(2, 3, 66048\)",
         (None, None, None, None), pass_kind=1, rec=rec[:, :3])
@@ -638,7 +691,7 @@ def test_two_kernel_abi_errors():
     # the unbounded gate forms: the prep pass only, without phase_cycles; the gate name checked
     err(r"gate: expected 'sigmoid_lb', 'softplus' or 'precomputed', got 'tanh'", (None, None, None, None),
         pass_kind=1, rec=rec, gate="tanh")
-    err(r"gate 'softplus': expected pass_kind 1 \(the prep pass\) without phase_cycles, got pass_kind 0",
+    err(r"gate 'softplus': expected pass_kind 1 or 3 \(the prep pass\) without phase_cycles, got pass_kind 0",
         (o, None, None, None), pass_kind=0, gate="softplus")
     err(r"gate 'precomputed': expected pass_kind 1 .* got pass_kind 2", (o, None, None, None), pass_kind=2, rec=rec,
         gate="precomputed")
@@ -669,7 +722,7 @@ def _wide_gate_inputs(form, T=1000, HV=2, seed=41):
     return q, k, v, g.to(torch.bfloat16), beta, A_log, dt_bias, h0, flags
 
 
-@pytest.mark.parametrize("segments", [1, 3])
+@pytest.mark.parametrize("segments", [1, 3, "roles"])
 @pytest.mark.parametrize("form", ["softplus", "precomputed"])
 def test_unbounded_gate_prep(form, segments):
     """The prep kernel's unbounded gate forms (driven here through the binding and the two-kernel
@@ -689,8 +742,10 @@ def test_unbounded_gate_prep(form, segments):
     def launch(*, pass_kind, **kw):
         C.kda_fwd(dq, dk, dv, dg, dbeta, dA, ddt, dh0, None, kw.pop("o"), kw.pop("ht"), kw.pop("Aqk"), kw.pop("Akk"),
                   128 ** -0.5, -5.0, True, True, 1.0, False, wgmma=True, pass_kind=pass_kind,
-                  **({"gate": gate} if pass_kind == 1 else {}), **kw)
-    plan = kp.two_kernel_plan([T], HV, 132, segments=segments, block_v=64)
+                  **({"gate": gate} if pass_kind in (1, 3) else {}), **kw)
+    plan = (kp.two_kernel_plan([T], HV, 132, state_rs=True, roles=True) if segments == "roles"
+            else kp.two_kernel_plan([T], HV, 132, segments=segments, block_v=64))
+    assert plan.roles == (segments == "roles")
     with torch.inference_mode():
         kp.run_two_kernel(launch, 1, HV, kp.record_slots(1, T, 1), DEV, plan, o, ht, None, None,
                           combine=C.kda_combine, state_rs=True)
@@ -941,7 +996,7 @@ def test_grad_unbounded(c, segments, strict_mode, fla_fns):
     _assert_grads_within_bars(c, fla_fns, segments=segments)
 
 
-@pytest.mark.parametrize("form", ["fused", "two-P3"])
+@pytest.mark.parametrize("form", ["fused", "two-P3", "roles"])
 @pytest.mark.parametrize("c", [cfg(T=200, H=2, HV=4, mode="grad", seed=7),
                                cfg(lens=(1, 63, 130), H=2, HV=2, mode="grad", seed=8)], ids=["T200-GVA", "varlen"])
 def test_grad_extras_are_fla_l2norm_fwd(c, form):
@@ -958,7 +1013,7 @@ def test_grad_extras_are_fla_l2norm_fwd(c, form):
                           safe_gate=True, lower_bound=c.lb, state_v_first=False, chunk_size=64,
                           disable_recompute=False, return_intermediate_states=False, cp=False, use_graph=False)
     two = form != "fused"
-    kda_prefill.set_tuning(two_kernel=two, segments=3 if two else None)
+    kda_prefill.set_tuning(two_kernel=two, segments=3 if form == "two-P3" else None, roles=form == "roles" or None)
     try:
         q0, k0 = x["q"].clone(), x["k"].clone()
         fwd = kda_prefill.run(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], x["h0"], x["cu"],
