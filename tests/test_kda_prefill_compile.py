@@ -1368,12 +1368,15 @@ def test_prep_chunks_choice():
 def test_roles_plan():
     """The one-launch form: offered only where its 2 N HV pass-2 CTAs take at most half the SMs, with state_rs, one
     segment and 64 columns; roles=True takes it there, False never; by default it is taken only where it prices
-    ROLES_MARGIN_US under the two launches (B1 T2048 H16: measured 85 vs 93 us on an H100; not B1 T2048 H8, where the
-    split's 66 us beat its 77); set_tuning validates the knob."""
+    ROLES_MARGIN_US under the two launches, for one sequence (B1 T2048 H16: measured 85 vs 93 us on an H100; not B1
+    T2048 H8, where the split's 66 us beat its 77); set_tuning validates the knob."""
     from fla_cula.kernels import kda_prefill as kp
     assert kp.roles_apply(1, 33, 132) and not kp.roles_apply(1, 34, 132) and not kp.roles_apply(0, 8, 132)
     assert kp.two_kernel_plan([2048], 16, 132, state_rs=True).roles
     assert not kp.two_kernel_plan([2048], 8, 132, state_rs=True).roles
+    # several sequences: only when forced (B2 T2048 H8 prices as B1 T2048 H16 but measured slower in sequence order)
+    assert not kp.two_kernel_plan([2048] * 2, 8, 132, state_rs=True).roles
+    assert kp.two_kernel_plan([2048] * 2, 8, 132, state_rs=True, roles=True).roles
     forced = kp.two_kernel_plan([2048], 8, 132, state_rs=True, roles=True)
     assert forced.roles and (forced.segments, forced.block_v) == (1, 64)
     assert forced.prep_units == -(-32 // forced.prep_chunks)

@@ -276,7 +276,9 @@ COMBINE_CTAS_PER_PAIR = 16          # kda_combine_kernel: 8 of the 128 columns p
 # chunk (fitted to B1 T4096 H16 on an H100, session 46; PREP_US_PER_CHUNK[0]'s 9.7 is scaled, not measured), pass 2
 # at the pass2_64 chain. The two launches' model overstates the small grids by 15-30% (session 46, H100: B1 T1024 H4
 # 65 vs 44 us, B1 T2048 H8 91 vs 66, B1 T2048 H16 111 vs 93) while this one is within -5 / +15%, so the one launch
-# is taken only where it prices ROLES_MARGIN_US under them.
+# is taken only where it prices ROLES_MARGIN_US under them, and by default for one sequence: with prep units in
+# sequence order B2 T2048 H8 took 101 us against the two launches' 93; they now run chunk block by chunk block across
+# the sequences, which is not yet measured.
 ROLES_PREP_US_PER_CHUNK = 12.0
 ROLES_MARGIN_US = 15.0
 MAX_SEGMENTS = 16
@@ -379,6 +381,8 @@ def _two_kernel_plan(lens: tuple[int, ...], HV: int, sms: int, segments: int | N
                    for c in ([pc] if pc else (PREP_CHUNKS, *PREP_CHUNKS_UNDERFILLED))), key=lambda t: t.us)
         if roles:
             return one
+        if len(lens) > 1:  # by default one sequence only: several were measured slower (ROLES_MARGIN_US's note)
+            one = None
     pc = pc or _prep_chunks_choice(chunks, HV, sms)
     prep_units = max(1, -(-maxc // pc))
     prep = _prep_us(chunks, HV, sms, pc)
