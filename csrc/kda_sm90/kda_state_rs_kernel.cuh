@@ -262,9 +262,7 @@ __device__ __forceinline__ void kda_state_rs_body(KdaFwdParams const& p, int con
   };
   auto issue = [&](int c, int s) {
     if (tid == 0) {
-      if (ready == nullptr) {
-        copy_record(c);
-      } else if (rec_flag_acquire(ready + c)) {
+      if (ready == nullptr || rec_flag_acquire(ready + c)) {
         copy_record(c);
       } else {
         deferred = c;
