@@ -449,7 +449,7 @@ def run_two_kernel(launch, N: int, HV: int, slots: int, device, plan: TwoKernelP
     kda_state_rs_kernel, and a split's pass 2 of segment 0 runs beside the maps of the later segments (`beside`), the
     rest after the combine; pass 2 with h_inter keeps kda_state_kernel and the maps pass before it. Allocates the
     records (64.5 KB per chunk and value head) and the segment states (64 KB per (sequence, value head) and segment,
-    2 P - 3 of them)."""
+    2 P - 3 of them). plan.roles (state_rs, no h_inter): one launch (pass_kind 3) with the records' ready flags."""
     rec = torch.empty(HV, slots, REC_BYTES, dtype=torch.uint8, device=device)
     out_kw = out_kw or {}
     if plan.roles and state_rs and out_kw.get("h_inter") is None:
