@@ -85,16 +85,16 @@ void run_kda_fwd(KdaFwdParams const& a) {
   FLA_CULA_REQUIRE(a.N >= 0 && a.HV > 0 && a.H > 0 && a.HV % a.H == 0,
                    "kda_fwd: expected N >= 0 and HV a positive multiple of H, got N=" + std::to_string(a.N) +
                        " H=" + std::to_string(a.H) + " HV=" + std::to_string(a.HV));
-  if (a.pass == kKdaRoles) {
-    run_kda_roles(a);
-    return;
-  }
-  FLA_CULA_REQUIRE(a.gate >= 0 && a.gate <= 2 && (a.gate == 0 || a.pass == kKdaPrep),
+  FLA_CULA_REQUIRE(a.gate >= 0 && a.gate <= 2 && (a.gate == 0 || a.pass == kKdaPrep || a.pass == kKdaRoles),
                    "kda_fwd: expected gate 0 (bounded sigmoid), or 1 (softplus) / 2 (precomputed) with the prep pass, "
                    "got gate " + std::to_string(a.gate) + " pass " + std::to_string(a.pass));
   FLA_CULA_REQUIRE(a.gate != 0 || (a.lower_bound >= -5.f && a.lower_bound < 0.f),
                    "kda_fwd: expected -5 <= lower_bound < 0 (the overflow-free bound), got " +
                        std::to_string(a.lower_bound));
+  if (a.pass == kKdaRoles) {
+    run_kda_roles(a);
+    return;
+  }
   FLA_CULA_REQUIRE(a.block_v == 64 || a.block_v == 128,
                    "kda_fwd: expected block_v 64 or 128, got " + std::to_string(a.block_v));
   FLA_CULA_REQUIRE(a.pass == kKdaFused || a.pass == kKdaPrep || a.pass == kKdaState,

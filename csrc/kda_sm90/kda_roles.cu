@@ -24,14 +24,12 @@ void launch_roles(kda_sm90::KdaRolesParams const& r, int64_t ctas) {
 
 }  // namespace
 
+// (run_kda_fwd has checked the sizes and the gate form)
 void run_kda_roles(KdaFwdParams const& a) {
   FLA_CULA_REQUIRE(a.pass == kKdaRoles && a.rec != nullptr && a.rec_ready != nullptr && a.units >= 1 &&
                        a.chunks_per_cta >= 1 && a.block_v == 64 && a.wgmma && a.o != nullptr,
                    "kda_roles: expected pass 3 with rec, rec_ready, o, block_v 64, wgmma, units >= 1 and "
                    "chunks_per_cta >= 1");
-  FLA_CULA_REQUIRE(a.gate >= 0 && a.gate <= 2 && (a.gate != 0 || (a.lower_bound >= -5.f && a.lower_bound < 0.f)),
-                   "kda_roles: expected gate 0 with -5 <= lower_bound < 0, 1 or 2, got gate " + std::to_string(a.gate) +
-                       " lower_bound " + std::to_string(a.lower_bound));
   FLA_CULA_REQUIRE(a.q && a.k && a.v && a.g && a.beta, "kda_roles: null device pointer");
   FLA_CULA_REQUIRE(a.h_inter == nullptr && a.phase_cycles == nullptr && a.seg_H == nullptr && !a.maps,
                    "kda_roles: h_inter, phase_cycles, seg_H and maps are not taken by the one-launch form");

@@ -374,15 +374,14 @@ def _two_kernel_plan(lens: tuple[int, ...], HV: int, sms: int, segments: int | N
                      roles: bool | None = None) -> TwoKernelPlan:
     chunks = [-(-L // CHUNK) for L in lens]
     maxc = max(chunks, default=0)
-    one = None  # the one-launch form: P = 1, pass 2 at 64 columns
-    if (roles is not False and state_rs and segments in (None, 1) and block_v in (None, 64) and maxc
-            and roles_apply(len(lens), HV, sms)):
+    one = None  # the one-launch form: P = 1, pass 2 at 64 columns; by default one sequence only (several were
+    # measured slower: ROLES_MARGIN_US's note)
+    if (roles is not False and (roles or len(lens) == 1) and state_rs and segments in (None, 1)
+            and block_v in (None, 64) and maxc and roles_apply(len(lens), HV, sms)):
         one = min((TwoKernelPlan(1, 0, 64, -(-maxc // c), _roles_us(chunks, HV, sms, c), c, True)
                    for c in ([pc] if pc else (PREP_CHUNKS, *PREP_CHUNKS_UNDERFILLED))), key=lambda t: t.us)
         if roles:
             return one
-        if len(lens) > 1:  # by default one sequence only: several were measured slower (ROLES_MARGIN_US's note)
-            one = None
     pc = pc or _prep_chunks_choice(chunks, HV, sms)
     prep_units = max(1, -(-maxc // pc))
     prep = _prep_us(chunks, HV, sms, pc)
