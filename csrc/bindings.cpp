@@ -28,7 +28,7 @@ void register_kda_fwd(py::module_& m);
 }
 
 // Bumped whenever a function's signature or semantics changes; fla_cula/_ext.py refuses a stale build.
-constexpr int kApiVersion = 11;
+constexpr int kApiVersion = 12;
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fla_cula CUDA C++ kernels (sm_90a), torch-free pybind11 bindings over DLPack";
@@ -120,6 +120,12 @@ PYBIND11_MODULE(_C, m) {
       },
       "The C++ kernel families in this build, each with its specializations (CTA size, dynamic shared\n"
       "memory, SASS symbol). No CUDA call.");
+  m.def(
+      "usable_sm_count",
+      [](int device) { return fla_cula::kda_usable_sms(device); },
+      py::arg("device"),
+      "SMs a launch on cuda:<device> may use from this process: the device's count, lowered by an MPS\n"
+      "execution-affinity limit where the driver reports one.");
   m.def("version", [] { return std::string(FLA_CULA_VERSION); }, "fla_cula version this module was built from.");
   m.def("built_arch", [] { return std::string(FLA_CULA_BUILT_ARCH); }, "GPU architecture of the device code.");
   m.def("api_version", [] { return kApiVersion; }, "Version of this module's function signatures.");

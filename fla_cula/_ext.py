@@ -24,7 +24,7 @@ from types import ModuleType
 import torch
 
 # Must match kApiVersion in csrc/bindings.cpp; a mismatch means the .so is stale (rebuild it).
-_API_VERSION = 11
+_API_VERSION = 12
 
 
 @functools.cache

@@ -6,8 +6,10 @@
 // error name and message instead of corrupting a later, unrelated call.
 #pragma once
 
+#include <cuda.h>  // driver types only: cuCtxGetExecAffinity is reached through the runtime's entry-point query
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
 #include <stdexcept>
 #include <string>
@@ -62,6 +64,33 @@ class DeviceGuard {
   int device_;
   int prev_ = 0;
 };
+
+// The SMs a launch on `device` may use from this process: the device's count, lowered by the current context's
+// execution affinity (an MPS client's active-thread limit, CU_EXEC_AFFINITY_TYPE_SM_COUNT) where the driver reports
+// one. Launches whose CTAs wait on other CTAs of the same grid bound their waiting CTAs by it.
+inline int usable_sm_count(int device) {
+  DeviceGuard guard(device);
+  int sms = 0;
+  FLA_CULA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  using ExecAffinityFn = CUresult (*)(CUexecAffinityParam*, CUexecAffinityType);
+  static ExecAffinityFn const get_affinity = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuCtxGetExecAffinity", &fn, 11040, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();  // an old driver without it: the device's count stands
+      fn = nullptr;
+    }
+    return reinterpret_cast<ExecAffinityFn>(fn);
+  }();
+  CUexecAffinityParam affinity{};
+  if (get_affinity != nullptr && get_affinity(&affinity, CU_EXEC_AFFINITY_TYPE_SM_COUNT) == CUDA_SUCCESS &&
+      affinity.param.smCount.val > 0) {
+    sms = std::min(sms, int(affinity.param.smCount.val));
+  }
+  return sms;
+}
 
 // RuntimeError unless `device` has compute capability major.minor (sm_90a code loads on 9.0 only).
 inline void require_compute_capability(int device, int major, int minor, const char* what) {

@@ -119,6 +119,9 @@ void run_kda_combine(KdaCombineParams const& params);
 void run_kda_fwd(KdaFwdParams const& params);
 // pass kKdaRoles (run_kda_fwd forwards it): kda_roles.cu
 void run_kda_roles(KdaFwdParams const& params);
+// The SMs this process may use on `device` (usable_sm_count: MPS execution affinity included), the count the
+// one-launch form's bound takes; std::invalid_argument for an index that names no device. kda_roles.cu
+int kda_usable_sms(int device);
 
 // The compiled specializations, for fla_cula info / the SASS check: the symbol contains "kda_fwd_kernel"
 // (demangled: kda_fwd_kernel<(GateForm)0, false, 64, true>; profile = true is taken only when phase_cycles is

@@ -24,6 +24,14 @@ void launch_roles(kda_sm90::KdaRolesParams const& r, int64_t ctas) {
 
 }  // namespace
 
+int kda_usable_sms(int device) {
+  int count = 0;
+  FLA_CULA_CUDA_CHECK(cudaGetDeviceCount(&count));
+  FLA_CULA_REQUIRE(device >= 0 && device < count, "usable_sm_count: expected a device index in [0, " +
+                                                      std::to_string(count) + "), got " + std::to_string(device));
+  return usable_sm_count(device);
+}
+
 // (run_kda_fwd has checked the sizes and the gate form)
 void run_kda_roles(KdaFwdParams const& a) {
   FLA_CULA_REQUIRE(a.pass == kKdaRoles && a.rec != nullptr && a.rec_ready != nullptr && a.units >= 1 &&
@@ -38,10 +46,9 @@ void run_kda_roles(KdaFwdParams const& a) {
   if (roles == 0) return;
   DeviceGuard guard(a.device);
   require_compute_capability(a.device, 9, 0, "kda_roles");
-  int sms = 0;
-  FLA_CULA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.device));
-  // the pass-2 CTAs wait for prep CTAs: they must leave SMs to the prep (half the SMs at most)
-  FLA_CULA_REQUIRE(2 * roles <= sms, "kda_roles: expected 2 N * HV <= SMs / 2 = " + std::to_string(sms / 2) +
+  int const sms = usable_sm_count(a.device);
+  // the pass-2 CTAs wait for prep CTAs: they must leave SMs to the prep (half the usable SMs at most)
+  FLA_CULA_REQUIRE(2 * roles <= sms, "kda_roles: expected 2 N * HV <= usable SMs / 2 = " + std::to_string(sms / 2) +
                                          " (pass 2's CTAs wait for the prep on the other SMs), got " +
                                          std::to_string(roles));
   kda_sm90::KdaRolesParams const r = kda_sm90::roles_params(a);

@@ -101,7 +101,10 @@ def set_tuning(block_v: int | None = None, wgmma: bool = True, two_kernel: bool 
 
 @functools.lru_cache(maxsize=16)
 def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """SMs the plan may count on: the device's, lowered by an MPS execution-affinity limit (`_C.usable_sm_count`),
+    so that the one-launch form's bound (roles_apply) is the binding's."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _C.usable_sm_count(index)
 
 
 def block_v_for(N: int, HV: int, sms: int) -> int:

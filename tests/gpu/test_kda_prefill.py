@@ -39,6 +39,7 @@ state carries information across all 32 chunks) and "drops" (unbounded gates: de
 import contextlib
 import dataclasses
 import math
+import os
 import warnings
 
 import pytest
@@ -614,6 +615,26 @@ def test_two_kernel_graph_replay(form, strict_mode):
     assert torch.equal(o1, o2) and torch.equal(ht1, ht2)
 
 
+def test_usable_sm_count():
+    """The SMs the one-launch form's no-deadlock bound and the plan count: the device's, unless the context has an
+    MPS execution-affinity limit (then at most the device's); a bad device index is a ValueError."""
+    from fla_cula import _ext
+    from fla_cula.kernels import kda_prefill as kp
+    C = _ext.require()
+    index = torch.device(DEV).index or 0
+    props = torch.cuda.get_device_properties(index)
+    n = C.usable_sm_count(index)
+    if "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in os.environ or os.path.exists("/tmp/nvidia-mps"):
+        assert 1 <= n <= props.multi_processor_count
+    else:
+        assert n == props.multi_processor_count
+    assert kp._sm_count(torch.device("cuda", index)) == n
+    for bad in (-1, torch.cuda.device_count()):
+        with pytest.raises(ValueError, match=r"usable_sm_count: expected a device index in \[0, \d+\), got "
+                           + str(bad)):
+            C.usable_sm_count(bad)
+
+
 def test_two_kernel_abi_errors():
     """The two-kernel keywords of _C.kda_fwd: a bad pass, record buffer, segment buffer or block_v is a ValueError
     naming expected and actual, raised before any launch."""
@@ -648,11 +669,11 @@ def test_two_kernel_abi_errors():
         rec_ready=ready[:, :2], chunks_per_cta=1, units=4)
     err(r"o: expected a tensor with pass 3", (None, None, None, None), pass_kind=3, rec=rec, rec_ready=ready,
         chunks_per_cta=1, units=4)
-    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    sms = C.usable_sm_count(torch.device(DEV).index or 0)
     Hb = sms // 4 + 1  # 2 N HV pass-2 CTAs over half the SMs
     qb, vb = torch.zeros(1, 64, Hb, 128, **bf), torch.zeros(1, 64, Hb, 128, **bf)
     recb = torch.empty(Hb, kp.record_slots(1, 64, 1), kp.REC_BYTES, dtype=torch.uint8, device=DEV)
-    with pytest.raises(ValueError, match=r"kda_roles: expected 2 N \* HV <= SMs / 2"):
+    with pytest.raises(ValueError, match=r"kda_roles: expected 2 N \* HV <= usable SMs / 2"):
         C.kda_fwd(qb, qb, vb, vb, torch.zeros(1, 64, Hb, device=DEV), None, None, None, None, torch.empty_like(vb),
                   None, None, None, *tail, wgmma=True, pass_kind=3, rec=recb, chunks_per_cta=1, units=1,
                   rec_ready=torch.zeros(Hb, recb.shape[1], dtype=torch.int32, device=DEV))
