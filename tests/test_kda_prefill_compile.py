@@ -1368,15 +1368,20 @@ def test_prep_chunks_choice():
 def test_roles_plan():
     """The one-launch form: offered only where its 2 N HV pass-2 CTAs take at most half the SMs, with state_rs, one
     segment and 64 columns; roles=True takes it there, False never; by default it is taken only where it prices
-    ROLES_MARGIN_US under the two launches, for one sequence (B1 T2048 H16: measured 85 vs 93 us on an H100; not B1
-    T2048 H8, where the split's 66 us beat its 77); set_tuning validates the knob."""
+    ROLES_MARGIN_US under the two launches (H100: B1 T2048 H16 and B2 T2048 H8 86 vs 93 us; not B1 T2048 H8, where
+    the split's 66 us beat its 77, nor B4 T1024 H8, 112 vs 75); set_tuning validates the knob."""
     from fla_cula.kernels import kda_prefill as kp
     assert kp.roles_apply(1, 33, 132) and not kp.roles_apply(1, 34, 132) and not kp.roles_apply(0, 8, 132)
     assert kp.two_kernel_plan([2048], 16, 132, state_rs=True).roles
     assert not kp.two_kernel_plan([2048], 8, 132, state_rs=True).roles
-    # several sequences: only when forced (B2 T2048 H8 prices as B1 T2048 H16 but measured slower in sequence order)
-    assert not kp.two_kernel_plan([2048] * 2, 8, 132, state_rs=True).roles
-    assert kp.two_kernel_plan([2048] * 2, 8, 132, state_rs=True, roles=True).roles
+    # several sequences: by the same prices (B2 T2048 H8 taken; B4 T1024 H8 and B2 T1024 H16 left to two launches)
+    assert kp.two_kernel_plan([2048] * 2, 8, 132, state_rs=True).roles
+    assert not kp.two_kernel_plan([1024] * 4, 8, 132, state_rs=True).roles
+    assert not kp.two_kernel_plan([1024] * 2, 16, 132, state_rs=True).roles
+    assert kp.two_kernel_plan([1024] * 4, 8, 132, state_rs=True, roles=True).roles
+    # against a split plan it is not taken by default, though priced under it (B3 T8192 H4: 234 vs P 6's 257 us)
+    assert kp.two_kernel_plan([8192] * 3, 4, 132, state_rs=True, roles=False).segments > 1
+    assert not kp.two_kernel_plan([8192] * 3, 4, 132, state_rs=True).roles
     forced = kp.two_kernel_plan([2048], 8, 132, state_rs=True, roles=True)
     assert forced.roles and (forced.segments, forced.block_v) == (1, 64)
     assert forced.prep_units == -(-32 // forced.prep_chunks)

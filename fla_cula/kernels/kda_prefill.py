@@ -279,9 +279,10 @@ COMBINE_CTAS_PER_PAIR = 16          # kda_combine_kernel: 8 of the 128 columns p
 # chunk (fitted to B1 T4096 H16 on an H100, session 46; PREP_US_PER_CHUNK[0]'s 9.7 is scaled, not measured), pass 2
 # at the pass2_64 chain. The two launches' model overstates the small grids by 15-30% (session 46, H100: B1 T1024 H4
 # 65 vs 44 us, B1 T2048 H8 91 vs 66, B1 T2048 H16 111 vs 93) while this one is within -5 / +15%, so the one launch
-# is taken only where it prices ROLES_MARGIN_US under them, and by default for one sequence: with prep units in
-# sequence order B2 T2048 H8 took 101 us against the two launches' 93; they now run chunk block by chunk block across
-# the sequences, which is not yet measured.
+# is taken only where it prices ROLES_MARGIN_US under them. Several sequences measured (session 47, H100, prep units
+# chunk block by chunk block across the sequences): B2 T2048 H8 86 us against the two launches' 93 (model 91 / 111),
+# B4 T1024 H8 112 against 75 (model 115 / 85: left to the two launches). Not measured against a split (P > 1) two-launch
+# plan with several sequences (B3 T4096-8192 H4 would price under it): the one launch is compared with unsplit plans.
 ROLES_PREP_US_PER_CHUNK = 12.0
 ROLES_MARGIN_US = 15.0
 MAX_SEGMENTS = 16
@@ -333,7 +334,8 @@ def two_kernel_plan(lens: list[int], HV: int, sms: int, segments: int | None = N
     that fills the GPU gains nothing from them, and the search stays small on the routing path. Chunks per prep CTA:
     PREP_CHUNKS, or fewer where its CTAs leave SMs idle and the model prices fewer faster (ties keep the larger).
     The one-launch form (roles) is priced with state_rs where its pass-2 CTAs take at most half of the SMs
-    (roles_apply) and taken where cheaper; roles True takes it wherever it applies, False never."""
+    (roles_apply) and taken where it prices ROLES_MARGIN_US under an unsplit two-launch plan; roles True takes it
+    wherever it applies, False never."""
     return _two_kernel_plan(tuple(lens), HV, sms, segments, block_v, state_rs, prep_chunks, roles)
 
 
@@ -377,9 +379,8 @@ def _two_kernel_plan(lens: tuple[int, ...], HV: int, sms: int, segments: int | N
                      roles: bool | None = None) -> TwoKernelPlan:
     chunks = [-(-L // CHUNK) for L in lens]
     maxc = max(chunks, default=0)
-    one = None  # the one-launch form: P = 1, pass 2 at 64 columns; by default one sequence only (several were
-    # measured slower: ROLES_MARGIN_US's note)
-    if (roles is not False and (roles or len(lens) == 1) and state_rs and segments in (None, 1)
+    one = None  # the one-launch form: P = 1, pass 2 at 64 columns
+    if (roles is not False and state_rs and segments in (None, 1)
             and block_v in (None, 64) and maxc and roles_apply(len(lens), HV, sms)):
         one = min((TwoKernelPlan(1, 0, 64, -(-maxc // c), _roles_us(chunks, HV, sms, c), c, True)
                    for c in ([pc] if pc else (PREP_CHUNKS, *PREP_CHUNKS_UNDERFILLED))), key=lambda t: t.us)
@@ -417,7 +418,9 @@ def _two_kernel_plan(lens: tuple[int, ...], HV: int, sms: int, segments: int | N
                 best = plan
     if best is None:  # forced segments beyond the chunks: P segments of one chunk, the last taking the rest
         best = TwoKernelPlan(segments, 1, block_v or 64, prep_units, math.inf, pc)
-    return one if one is not None and one.us + ROLES_MARGIN_US < best.us else best
+    # the one launch against an unsplit plan only: where the split applies its chains are shorter than the one launch's
+    # and the two launches' model overstates them most (B1 T2048 H8 P 8: 91 priced, 66 measured)
+    return one if one is not None and best.segments == 1 and one.us + ROLES_MARGIN_US < best.us else best
 
 
 def record_slots(B: int, T: int, N: int) -> int:
