@@ -8,7 +8,8 @@
 #    FLA_CULA_COMMIT=<hash> bash scripts/device_jobs.sh "$OUT" peers)
 #
 # jobs:
-#   build   the C++ extension in place (a cut build's leftovers are removed)
+#   build   the C++ extension in place (a cut build's leftovers are removed), or the prebuilt one of
+#           scripts/prebuild_ext.sh when its sources are these
 #   conv    strict conv-update GPU tests (xdist when present)
 #   kda     strict KDA prefill and training-path GPU tests
 #   lightning strict lightning prefill GPU tests (LIGHT_ARGS: shell-parsed pytest arguments)
@@ -124,6 +125,20 @@ abn() {
   done
 }
 
+# fla_cula._C from scripts/prebuild_ext.sh (kept by .gpu/so/recv.sh) when it was built from these sources: the build
+# job then takes no device time. Any other tree (a patch applied, a source changed since) compiles.
+prebuilt() {
+  local d=/opt/gpu-stage/so
+  [[ -f $d/hash && -f $d/name && $(cat "$d/name") == *"$(python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" ]] \
+    || return 1
+  [[ $(bash scripts/ext_source_hash.sh) == "$(cat "$d/hash")" ]] || { echo "prebuilt fla_cula._C: other sources; compiling"; return 1; }
+  python -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
+    "$d/_C312.so.xz" "fla_cula/$(cat "$d/name")" && python -c "import fla_cula._C" \
+    || { rm -f "fla_cula/$(cat "$d/name")"; echo "prebuilt fla_cula._C does not load; compiling"; return 1; }
+  echo "===== [build] prebuilt fla_cula._C (sources $(cut -c1-12 "$d/hash"))"
+  SUMMARY+=("$(printf '%-9s %-9s %5ss' build prebuilt 0)")
+}
+
 job() {  # job NAME LIMIT CMD...: output to OUT/NAME.log, the last lines echoed
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
@@ -139,6 +154,7 @@ job() {  # job NAME LIMIT CMD...: output to OUT/NAME.log, the last lines echoed
 for j in "$@"; do
   case $j in
     build)
+      if prebuilt; then continue; fi
       job build "${T_BUILD:-240}" python setup.py build_ext --inplace
       [[ ${SUMMARY[-1]} == *" ok "* ]] || rm -rf build fla_cula/_C*.so ;;
     conv)

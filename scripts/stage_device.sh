@@ -3,7 +3,9 @@
 # CUTLASS headers) plus what fla_cula needs beyond it: the apache-tvm-ffi wheel for Python 3.12, and
 # pytest-xdist (GPU tests in parallel processes: kernel compiles dominate their time).
 #   bash scripts/stage_device.sh
-# then, on the device:  run 1 carry [".gpu/a"]          : bash .gpu/a/recv.sh
+# then, on the device:  run 1 carry [".gpu/a", ".gpu/so"]: bash .gpu/a/recv.sh && bash .gpu/so/recv.sh
+#                           (.gpu/so: fla_cula._C prebuilt here for the device's Python, scripts/prebuild_ext.sh;
+#                            rerun that script after a change under csrc/)
 #                       run 2 carry [".gpu/b", ".whl"]  : source .gpu/b/env.sh && \
 #                           python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
 #                               --target /opt/gpu-site .whl/*.whl && <command>
@@ -16,5 +18,6 @@ mkdir -p .whl .tcache
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
   -d .whl "apache-tvm-ffi==0.1.15.post2" "pytest-xdist==3.8.0" "execnet==2.1.1" 2>&1 | grep -v '^WARNING: Location' || true
-ls -la .whl .tcache
+bash scripts/prebuild_ext.sh || echo "no prebuilt fla_cula._C: device calls compile it (build job)"
+ls -la .whl .tcache .gpu/so
 echo "staged; put the last run's triton_autotune.tgz into .tcache/ to skip FLA's autotuning"
