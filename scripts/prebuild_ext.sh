@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Build fla_cula._C for the device's Python (3.12) here, on the CPU machine, so that a device call does not spend
-# ~80 s of its budget compiling. The module links neither libtorch nor libcudart (setup.py), so a build for sm_90a
-# here is the build the device would make. The result goes to .gpu/so (ignored): the xz-compressed module and the
-# hash of the sources it was built from (scripts/ext_source_hash.sh); device_jobs.sh's `build` job restores it
-# when the device tree's sources hash the same, and compiles otherwise.
+# ~80 s of its budget compiling. The module links neither libtorch nor libcudart (setup.py) and both machines have
+# nvcc 13.0, so a build for sm_90a here is the build the device would make. The result goes to .gpu/so (ignored):
+# the xz-compressed module and the hash of the sources it was built from (scripts/ext_source_hash.sh);
+# device_jobs.sh's `build` job restores it when the device tree's sources hash the same, and compiles otherwise.
 #   bash scripts/prebuild_ext.sh            (after any change under csrc/, setup.py or pyproject.toml)
 #   device, first call: carry [".gpu/a", ".gpu/so"]: bash .gpu/a/recv.sh && bash .gpu/so/recv.sh
 set -euo pipefail
