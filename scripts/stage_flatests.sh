@@ -9,6 +9,7 @@
 set -euo pipefail
 src="${1:?usage: scripts/stage_flatests.sh FLA_REPO [REV]}"; rev="${2:-HEAD}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+grep -qx '/.flatests/' .git/info/exclude 2>/dev/null || echo '/.flatests/' >> .git/info/exclude
 rm -rf .flatests && mkdir -p .flatests/tests/ops
 for f in tests/conftest.py tests/ops/test_kda.py tests/ops/test_lightning_attn.py; do
   git -C "$src" show "$rev:$f" > ".flatests/$f"
