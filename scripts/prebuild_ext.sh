@@ -24,7 +24,7 @@ git ls-files -z --cached --others --exclude-standard | tar cf - --null -T - | ta
 so=$(cd "$tmp" && ls fla_cula/_C.cpython-312-*.so)
 mkdir -p .gpu/so
 xz -9 -c "$tmp/$so" > .gpu/so/_C312.so.xz
-bash scripts/ext_source_hash.sh > .gpu/so/hash
+bash "$tmp/scripts/ext_source_hash.sh" > .gpu/so/hash   # the sources of the copy that was built
 basename "$so" > .gpu/so/name
 cat > .gpu/so/recv.sh <<'EOF'
 #!/usr/bin/env bash
